@@ -1,0 +1,200 @@
+"""`index-builder`: build, audit and publish versioned collections; evaluate them; make a demo corpus.
+
+    index-builder build   --corpus corpus.jsonl --collection NAME [--factory F] [--shards N]
+    index-builder audit   --collection NAME [--build ID] [--k 10] [--min-recall 0.9]
+    index-builder publish --collection NAME --build ID
+    index-builder list    [--collection NAME]
+    index-builder eval    --dataset DIR --collection NAME --address HOST:PORT
+    index-builder demo-corpus --out FILE
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DATA_DIR_DEFAULT = Path(os.environ.get("SEARCH_DATA_DIR", "data"))
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT,
+                   help="root of the collections (default: ./data or $SEARCH_DATA_DIR)")
+    p.add_argument("--collection", required=True, help="collection name")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="index-builder", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="chunk, embed, train, add and write a new build")
+    _add_common(b)
+    b.add_argument("--corpus", type=Path, required=True,
+                   help="BEIR corpus.jsonl (or its directory), or JSONL of {id, text, title?, metadata?, tenant?}")
+    b.add_argument("--factory", default="Flat",
+                   help="faiss factory string, e.g. Flat, HNSW32,Flat, IVF1024,PQ48x4fs,RFlat")
+    b.add_argument("--metric", choices=["ip", "l2"], default="ip",
+                   help="ip = cosine on the normalised embeddings (default)")
+    b.add_argument("--shards", type=int, default=1, help="number of shards (hash of doc id)")
+    b.add_argument("--nprobe", type=int, default=32, help="IVF lists probed per query")
+    b.add_argument("--ef-search", type=int, default=128, help="HNSW efSearch")
+    b.add_argument("--k-factor", type=int, default=4, help="refine shortlist factor for ...,RFlat")
+    b.add_argument("--limit", type=int, default=None, help="index only the first N documents")
+    b.add_argument("--tenant", default="default", help="tenant of documents that name none")
+    b.add_argument("--embedder", type=Path, default=None,
+                   help="local model directory (default: the packaged all-MiniLM-L6-v2)")
+    b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    b.add_argument("--build-id", default=None)
+    b.add_argument("--audit", action="store_true", help="audit recall after building")
+    b.add_argument("--publish", action="store_true", help="audit, then publish if the audit passes")
+    b.add_argument("--min-recall", type=float, default=0.9)
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    a = sub.add_parser("audit", help="measure ANN recall@k against exact search; store it in the build")
+    _add_common(a)
+    a.add_argument("--build", default=None, help="build id (default: the newest build)")
+    a.add_argument("--k", type=int, default=10)
+    a.add_argument("--queries", type=int, default=200, help="sampled query vectors")
+    a.add_argument("--min-recall", type=float, default=0.9)
+
+    pub = sub.add_parser("publish", help="flip the collection's alias to a build (audit must pass)")
+    _add_common(pub)
+    pub.add_argument("--build", required=True)
+    pub.add_argument("--min-recall", type=float, default=None,
+                     help="override the threshold stored with the audit")
+
+    ls = sub.add_parser("list", help="list collections and builds")
+    ls.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT)
+    ls.add_argument("--collection", default=None)
+
+    ev = sub.add_parser("eval", help="evaluate a BEIR dataset through the running service")
+    ev.add_argument("--dataset", type=Path, required=True, help="BEIR dir with queries.jsonl, qrels/")
+    ev.add_argument("--collection", required=True)
+    ev.add_argument("--address", default="127.0.0.1:50051")
+    ev.add_argument("--modes", default="dense,lexical,hybrid",
+                    help="comma list of dense, lexical, hybrid, hybrid+rerank")
+    ev.add_argument("--split", default="test")
+    ev.add_argument("--depth", type=int, default=100, help="documents ranked per query")
+    ev.add_argument("--rerank-depth", type=int, default=50)
+    ev.add_argument("--out", type=Path, default=None, help="directory for per-query results")
+
+    dc = sub.add_parser("demo-corpus", help="write a corpus of Python standard-library docstrings")
+    dc.add_argument("--out", type=Path, required=True)
+    dc.add_argument("--limit", type=int, default=None)
+    return p
+
+
+def cmd_build(args) -> int:
+    from itertools import islice
+
+    from index_builder.build import audit_build, build_collection
+    from index_builder.corpus import read_corpus
+    from server.backends.device import Device
+    from server.backends.models import Embedder
+    from server.core.collection import CollectionStore
+
+    store = CollectionStore(args.data_dir)
+    embedder = Embedder(args.embedder, Device(args.device))
+    docs = read_corpus(args.corpus, args.tenant)
+    if args.limit:
+        docs = islice(docs, args.limit)
+    desc = build_collection(docs, store, args.collection, embedder, args.factory, args.shards,
+                            args.metric, {"nprobe": args.nprobe, "ef_search": args.ef_search,
+                                          "k_factor": args.k_factor},
+                            args.build_id, quiet=args.quiet)
+    print(f"built {args.collection}/{desc.build_id}: {desc.documents} documents, {desc.chunks} "
+          f"chunks, {desc.shards} shard(s), factory {desc.factory}, model {desc.model_id}")
+    if args.audit or args.publish:
+        audit = audit_build(store, args.collection, desc.build_id, min_recall=args.min_recall)
+        print(f"audit: recall@{audit['k']} = {audit['recall']:.4f} over {audit['queries']} queries "
+              f"({'passed' if audit['passed'] else 'FAILED'}, threshold {args.min_recall})")
+        if args.publish:
+            if not audit["passed"]:
+                print("not published: the audit failed", file=sys.stderr)
+                return 1
+            store.publish(args.collection, desc.build_id)
+            print(f"published: {args.collection} -> {desc.build_id}")
+    return 0
+
+
+def cmd_audit(args) -> int:
+    from index_builder.build import audit_build
+    from server.core.collection import CollectionStore
+
+    store = CollectionStore(args.data_dir)
+    builds = store.builds(args.collection)
+    build = args.build or (builds[-1] if builds else None)
+    if build is None:
+        print(f"collection {args.collection!r} has no builds under {args.data_dir}", file=sys.stderr)
+        return 2
+    audit = audit_build(store, args.collection, build, args.k, n_queries=args.queries,
+                        min_recall=args.min_recall)
+    print(json.dumps(audit, indent=2))
+    return 0 if audit["passed"] else 1
+
+
+def cmd_publish(args) -> int:
+    from server.core.collection import CollectionStore
+
+    alias = CollectionStore(args.data_dir).publish(args.collection, args.build,
+                                                   min_recall=args.min_recall)
+    print(f"published: {args.collection} -> {alias['live']} (previous: {alias['previous']})")
+    return 0
+
+
+def cmd_list(args) -> int:
+    from server.core.collection import CollectionStore
+
+    store = CollectionStore(args.data_dir)
+    names = [args.collection] if args.collection else store.collections()
+    for name in names:
+        live = store.alias(name).get("live")
+        print(name)
+        for b in store.builds(name):
+            d = store.descriptor(name, b)
+            audit = f"recall@{d.audit['k']}={d.audit['recall']:.3f}" if d.audit else "not audited"
+            print(f"  {'*' if b == live else ' '} {b}  {d.factory:<24} {d.chunks:>8} chunks  "
+                  f"{d.shards} shard(s)  {audit}")
+    return 0
+
+
+def cmd_demo_corpus(args) -> int:
+    from index_builder.corpus import stdlib_docs
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(args.out, "w") as f:
+        for doc in stdlib_docs(args.limit):
+            f.write(json.dumps({"id": doc.doc_id, "title": doc.title, "text": doc.text,
+                                "metadata": doc.metadata}) + "\n")
+            n += 1
+    print(f"wrote {n} documents to {args.out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from index_builder.evaluate import run_eval
+
+    return run_eval(args)
+
+
+COMMANDS = {"build": cmd_build, "audit": cmd_audit, "publish": cmd_publish, "list": cmd_list,
+            "demo-corpus": cmd_demo_corpus, "eval": cmd_eval}
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    from server.errors import SearchError
+
+    try:
+        rc = COMMANDS[args.command](args)
+    except (SearchError, ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"index-builder {args.command}: error: {exc}", file=sys.stderr)
+        rc = 2
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

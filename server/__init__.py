@@ -1,0 +1,1 @@
+"""Hybrid search server: transport (gRPC) -> core (orchestration) -> backends (faiss, tantivy, models)."""

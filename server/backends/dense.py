@@ -1,0 +1,211 @@
+"""Dense ANN over one shard with faiss, chosen by a factory string.
+
+Rows are faiss's sequential ids (0..n-1 in add order); `row_ids` maps a row to its chunk id. Using
+rows rather than an IDMap wrapper keeps search parameters intact through every index type (an
+IDMap would re-wrap the selector and drop IVF/HNSW/refine parameters) and lets restriction use a
+dense bitmap (faiss.IDSelectorBitmap), which costs one bit per row and O(1) per test.
+
+Scores are returned "higher is better" for every metric: L2 distances are negated here so the
+merge and fusion code never needs to know the metric.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import faiss
+import numpy as np
+
+from server.backends.device import Device
+from server.errors import IndexCorruptError
+
+METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
+
+
+@dataclass(frozen=True)
+class SearchKnobs:
+    """Search-time accuracy knobs; each applies only to the index types that have it."""
+
+    nprobe: int = 32
+    ef_search: int = 128
+    k_factor: int = 4  # refine (exact re-scoring) shortlist = k * k_factor
+
+
+def make_index(factory: str, dim: int, metric: str) -> faiss.Index:
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {sorted(METRICS)}, not {metric!r}")
+    if re.search(r"IDMap", factory):
+        raise ValueError("factory strings must not contain IDMap: rows map to chunk ids outside faiss")
+    try:
+        return faiss.index_factory(dim, factory, METRICS[metric])
+    except RuntimeError as exc:
+        raise ValueError(f"faiss cannot build factory string {factory!r}: {exc}") from exc
+
+
+def training_size(index: faiss.Index) -> int:
+    """How many vectors k-means training wants for this index (0 when none is needed)."""
+    inner = _unwrap(index)
+    if isinstance(inner, faiss.IndexIVF):
+        return min(max(inner.nlist * 40, 10_000), 200_000)
+    return 0 if index.is_trained else 10_000
+
+
+def _unwrap(index: faiss.Index) -> faiss.Index:
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexRefine):
+        return faiss.downcast_index(index.base_index)
+    return index
+
+
+def _search_params(index: faiss.Index, knobs: SearchKnobs,
+                   sel: Optional[faiss.IDSelector]) -> Optional[faiss.SearchParameters]:
+    top = faiss.downcast_index(index)
+    inner = _unwrap(top)
+    if isinstance(inner, faiss.IndexIVF):
+        base = faiss.SearchParametersIVF(nprobe=min(knobs.nprobe, inner.nlist), sel=sel)
+    elif isinstance(inner, faiss.IndexHNSW):
+        base = faiss.SearchParametersHNSW(efSearch=knobs.ef_search, sel=sel)
+    elif sel is not None:
+        base = faiss.SearchParameters(sel=sel)
+    else:
+        base = None
+    if isinstance(top, faiss.IndexRefine):
+        return faiss.IndexRefineSearchParameters(k_factor=float(knobs.k_factor), base_index_params=base)
+    return base
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class DenseIndex:
+    """A trained faiss index plus the row -> chunk id map of one shard."""
+
+    def __init__(self, index: faiss.Index, row_ids: np.ndarray, metric: str,
+                 knobs: SearchKnobs = SearchKnobs(), placement: str = "cpu"):
+        if index.ntotal != len(row_ids):
+            raise ValueError(f"index has {index.ntotal} vectors but {len(row_ids)} row ids")
+        self.index = index
+        self.row_ids = np.ascontiguousarray(row_ids, dtype=np.int64)
+        self.metric = metric
+        self.knobs = knobs
+        self.placement = placement
+        self.dim = index.d
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+    def search(self, queries: np.ndarray, k: int, allowed: Optional["RowFilter"] = None,
+               knobs: Optional[SearchKnobs] = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k rows for each query. Returns (scores, rows), higher score is better, row -1 = none.
+
+        `allowed` restricts the search itself (faiss IDSelector), so a small allowed set still
+        yields k results when k rows are allowed.
+        """
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        k = max(1, min(k, self.ntotal)) if self.ntotal else 1
+        sel = allowed.selector if allowed is not None else None
+        params = _search_params(self.index, knobs or self.knobs, sel)
+        if self.ntotal == 0:
+            n = queries.shape[0]
+            return np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64)
+        scores, rows = self.index.search(queries, k, params=params)
+        if self.metric == "l2":
+            scores = -scores
+        scores[rows < 0] = -np.inf
+        return scores, rows
+
+    def chunk_ids(self, rows: np.ndarray) -> np.ndarray:
+        out = np.full(rows.shape, -1, np.int64)
+        ok = rows >= 0
+        out[ok] = self.row_ids[rows[ok]]
+        return out
+
+    # --- persistence -------------------------------------------------------------------------
+    def write(self, directory: Path) -> dict:
+        """Write index + row map to temporary names, rename into place; return file checksums."""
+        directory.mkdir(parents=True, exist_ok=True)
+        files = {}
+        index_path, rows_path = directory / "dense.faiss", directory / "rows.npy"
+        tmp = index_path.with_suffix(".faiss.tmp")
+        faiss.write_index(faiss.index_gpu_to_cpu(self.index) if self.placement != "cpu" else self.index,
+                          str(tmp))
+        tmp.replace(index_path)
+        tmp_rows = directory / "rows.tmp.npy"
+        np.save(tmp_rows, self.row_ids)
+        tmp_rows.replace(rows_path)
+        for p in (index_path, rows_path):
+            files[p.name] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        return files
+
+    @classmethod
+    def load(cls, directory: Path, metric: str, expected: Optional[dict] = None,
+             knobs: SearchKnobs = SearchKnobs(), device: Optional[Device] = None,
+             shard: int = 0) -> "DenseIndex":
+        """Load and verify. A missing, truncated or corrupted file raises IndexCorruptError naming it."""
+        index_path, rows_path = directory / "dense.faiss", directory / "rows.npy"
+        for p in (index_path, rows_path):
+            if not p.is_file():
+                raise IndexCorruptError(f"missing index file {p}")
+            want = (expected or {}).get(p.name)
+            if want:
+                size = p.stat().st_size
+                if size != want["bytes"]:
+                    raise IndexCorruptError(
+                        f"index file {p} is {size} bytes, the build recorded {want['bytes']} (truncated?)")
+                if file_sha256(p) != want["sha256"]:
+                    raise IndexCorruptError(f"index file {p} fails its sha256 check (corrupted)")
+        try:
+            index = faiss.read_index(str(index_path))
+        except Exception as exc:
+            raise IndexCorruptError(f"faiss cannot read index file {index_path}: {exc}") from exc
+        try:
+            row_ids = np.load(rows_path, allow_pickle=False)
+        except Exception as exc:
+            raise IndexCorruptError(f"cannot read row map {rows_path}: {exc}") from exc
+        if index.ntotal != len(row_ids):
+            raise IndexCorruptError(
+                f"{index_path} holds {index.ntotal} vectors but {rows_path} maps {len(row_ids)} rows")
+        placement = "cpu"
+        if device is not None:
+            index, placement = device.place_index(index, shard)
+        return cls(index, row_ids, metric, knobs, placement)
+
+
+class RowFilter:
+    """An allowed set of rows as a bitmap, with the faiss selector that reads it in place."""
+
+    def __init__(self, mask: np.ndarray):
+        self.mask = mask
+        self.count = int(mask.sum())
+        self._bits = np.packbits(mask, bitorder="little")  # faiss reads bit i of byte i>>3
+        self.selector = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(self._bits))
+
+
+def build_dense(factory: str, dim: int, metric: str, vectors: Callable[[], "np.ndarray"],
+                sample: np.ndarray, row_ids: np.ndarray, block: int = 16384,
+                progress: Optional[Callable[[int], None]] = None) -> DenseIndex:
+    """Train on `sample`, then add `vectors()` in blocks (row order = row_ids order)."""
+    index = make_index(factory, dim, metric)
+    if not index.is_trained:
+        if len(sample) == 0:
+            raise ValueError(f"{factory} needs training vectors, and the shard has none")
+        inner = _unwrap(index)
+        if isinstance(inner, faiss.IndexIVF) and len(sample) < inner.nlist:
+            raise ValueError(f"{factory}: {len(sample)} training vectors for {inner.nlist} lists; "
+                             f"use fewer lists (e.g. IVF{max(1, len(sample) // 39)}) for this corpus")
+        index.train(np.ascontiguousarray(sample, dtype=np.float32))
+    x = vectors()
+    for start in range(0, len(x), block):
+        index.add(np.ascontiguousarray(x[start:start + block], dtype=np.float32))
+        if progress:
+            progress(min(block, len(x) - start))
+    return DenseIndex(index, row_ids, metric)

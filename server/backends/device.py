@@ -1,0 +1,91 @@
+"""One device abstraction for every backend.
+
+faiss indexes go to a GPU when faiss was built with CUDA and sees a GPU (shard i on GPU i mod n,
+so a multi-GPU host serves one shard per GPU); torch/onnxruntime models run on CUDA when torch
+sees it. Everything falls back to the CPU, which is the path CI exercises. Index types faiss cannot
+place on a GPU (HNSW, fast-scan PQ) stay on the CPU and the reason is recorded, not hidden.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import faiss
+
+log = logging.getLogger(__name__)
+
+
+def _faiss_gpu_count() -> int:
+    get = getattr(faiss, "get_num_gpus", None)
+    try:
+        return int(get()) if get else 0
+    except Exception:  # a CPU build without the symbol, or a driver error
+        return 0
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+@dataclass
+class Device:
+    """Where indexes and models run. `prefer` is "auto", "cpu" or "cuda"."""
+
+    prefer: str = "auto"
+    faiss_gpus: int = field(init=False)
+    torch_cuda: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.prefer not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {self.prefer!r}")
+        use_gpu = self.prefer != "cpu"
+        self.faiss_gpus = _faiss_gpu_count() if use_gpu else 0
+        self.torch_cuda = _torch_cuda() if use_gpu else False
+        if self.prefer == "cuda" and not (self.faiss_gpus or self.torch_cuda):
+            raise RuntimeError("device=cuda was asked for, but neither faiss nor torch sees a GPU")
+
+    @property
+    def torch_device(self) -> str:
+        return "cuda" if self.torch_cuda else "cpu"
+
+    @property
+    def onnx_providers(self) -> list[str]:
+        if self.torch_cuda:
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        return ["CPUExecutionProvider"]
+
+    def describe(self) -> str:
+        return f"faiss_gpus={self.faiss_gpus} torch={self.torch_device}"
+
+    def place_index(self, index: "faiss.Index", shard: int) -> tuple["faiss.Index", str]:
+        """Return (index to search, where) — a GPU copy when possible, else the CPU index."""
+        if self.faiss_gpus == 0:
+            return index, "cpu"
+        gpu = shard % self.faiss_gpus
+        try:
+            res = faiss.StandardGpuResources()
+            opts = faiss.GpuClonerOptions()
+            opts.useFloat16 = os.environ.get("SEARCH_GPU_FP16", "0") == "1"
+            gpu_index = faiss.index_cpu_to_gpu(res, gpu, index, opts)
+            gpu_index.referenced_resources = res  # keep the resources alive with the index
+            return gpu_index, f"cuda:{gpu}"
+        except Exception as exc:  # HNSW, fast-scan PQ and refine wrappers have no GPU version
+            log.warning("shard %d stays on CPU: faiss cannot place %s on GPU (%s)",
+                        shard, type(index).__name__, exc)
+            return index, "cpu"
+
+
+_default: Device | None = None
+
+
+def default_device() -> Device:
+    global _default
+    if _default is None:
+        _default = Device(os.environ.get("SEARCH_DEVICE", "auto"))
+    return _default

@@ -1,0 +1,125 @@
+"""BM25 over one shard with tantivy.
+
+Analyzer (documented and measured in docs/ARCHITECTURE.md): tantivy's `simple` tokenizer (splits on
+non-alphanumerics, so identifiers like NACA-TN-1234 become naca/tn/1234 and still match as terms),
+tokens over 40 chars dropped, lowercase, English stopwords removed, Snowball English stemming.
+Queries go through the same analyzer and become a disjunction of term queries over title and text;
+no query syntax is parsed, so user text can never change the query's structure.
+
+Restriction happens inside the query (MUST clauses on tenant and metadata terms), so ranking only
+ever sees eligible chunks.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import tantivy
+
+from server.errors import IndexCorruptError
+
+ANALYZER_NAME = "en_bm25"
+ANALYZER_VERSION = "simple+remove_long40+lower+stop_en+snowball_en/v1"
+
+
+def make_analyzer() -> "tantivy.TextAnalyzer":
+    return (tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
+            .filter(tantivy.Filter.remove_long(40))
+            .filter(tantivy.Filter.lowercase())
+            .filter(tantivy.Filter.stopword("english"))
+            .filter(tantivy.Filter.stemmer("english"))
+            .build())
+
+
+def make_schema() -> "tantivy.Schema":
+    sb = tantivy.SchemaBuilder()
+    sb.add_unsigned_field("row", stored=True, indexed=True, fast=True)
+    sb.add_text_field("title", stored=False, tokenizer_name=ANALYZER_NAME)
+    sb.add_text_field("text", stored=False, tokenizer_name=ANALYZER_NAME)
+    sb.add_text_field("tenant", stored=False, tokenizer_name="raw")
+    sb.add_json_field("meta", stored=False, tokenizer_name="raw")
+    return sb.build()
+
+
+class LexicalIndex:
+    """A tantivy index whose documents are chunks, keyed by the shard's row number."""
+
+    def __init__(self, index: "tantivy.Index", schema: "tantivy.Schema"):
+        self.index = index
+        self.schema = schema
+        self.analyzer = make_analyzer()
+
+    @classmethod
+    def create(cls, directory: Path) -> "LexicalIndex":
+        directory.mkdir(parents=True, exist_ok=True)
+        schema = make_schema()
+        index = tantivy.Index(schema, path=str(directory))
+        index.register_tokenizer(ANALYZER_NAME, make_analyzer())
+        return cls(index, schema)
+
+    @classmethod
+    def open(cls, directory: Path) -> "LexicalIndex":
+        if not (directory / "meta.json").is_file():
+            raise IndexCorruptError(f"missing lexical index {directory / 'meta.json'}")
+        try:
+            index = tantivy.Index.open(str(directory))
+            index.register_tokenizer(ANALYZER_NAME, make_analyzer())
+            index.reload()
+            index.searcher().num_docs  # touch the segments: a damaged one fails here, not mid-query
+        except Exception as exc:
+            raise IndexCorruptError(f"cannot open lexical index in {directory}: {exc}") from exc
+        return cls(index, index.schema)
+
+    def add(self, rows: Iterable[tuple[int, str, str, str, dict]], writer=None) -> int:
+        """Add (row, title, text, tenant, metadata) chunks; commit when we own the writer."""
+        own = writer is None
+        writer = writer or self.index.writer(heap_size=128_000_000, num_threads=1)
+        n = 0
+        for row, title, text, tenant, meta in rows:
+            doc = tantivy.Document()
+            doc.add_unsigned("row", int(row))
+            if title:
+                doc.add_text("title", title)
+            doc.add_text("text", text)
+            doc.add_text("tenant", tenant)
+            if meta:
+                doc.add_json("meta", {str(k): str(v) for k, v in meta.items()})
+            writer.add_document(doc)
+            n += 1
+        if own:
+            writer.commit()
+            writer.wait_merging_threads()
+            self.index.reload()
+        return n
+
+    def num_docs(self) -> int:
+        return int(self.index.searcher().num_docs)
+
+    def query_terms(self, text: str) -> list[str]:
+        seen: dict[str, None] = {}
+        for tok in self.analyzer.analyze(text):
+            seen.setdefault(tok, None)
+        return list(seen)
+
+    def search(self, text: str, k: int, tenant: Optional[str] = None,
+               filters: Sequence[tuple[str, Sequence[str]]] = ()) -> tuple[list[float], list[int]]:
+        """BM25 top-k (scores, rows), best first, restricted to tenant and filters in the query."""
+        terms = self.query_terms(text)
+        if not terms or k <= 0:
+            return [], []
+        Q, Occur = tantivy.Query, tantivy.Occur
+        should = [(Occur.Should, Q.term_query(self.schema, field, t))
+                  for t in terms for field in ("text", "title")]
+        clauses = [(Occur.Must, Q.boolean_query(should))]
+        if tenant is not None:
+            clauses.append((Occur.Must, Q.term_query(self.schema, "tenant", tenant)))
+        for key, values in filters:
+            clauses.append((Occur.Must, Q.term_set_query(self.schema, f"meta.{key}", list(values))))
+        query = Q.boolean_query(clauses) if len(clauses) > 1 else clauses[0][1]
+        searcher = self.index.searcher()
+        result = searcher.search(query, k, count=False)
+        if not result.hits:
+            return [], []
+        scores = [float(s) for s, _ in result.hits]
+        rows = searcher.fast_field_values("row", [addr for _, addr in result.hits])
+        return scores, [int(r) for r in rows]

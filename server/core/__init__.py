@@ -1,0 +1,1 @@
+"""Core orchestration: collections, shards, fan-out, fusion, batching, assembly. Never imports grpc."""

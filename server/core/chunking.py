@@ -1,0 +1,53 @@
+"""Splitting documents into chunks with exact source offsets, and deterministic chunk ids.
+
+The chunker is versioned: a build records CHUNKER_VERSION, and a change to the rules below must
+change it, because chunk ids and offsets depend on them.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+CHUNK_WORDS = 160    # MiniLM reads 256 word pieces; 160 English words stay under that
+OVERLAP_WORDS = 32
+CHUNKER_VERSION = f"words-{CHUNK_WORDS}-{OVERLAP_WORDS}/v1"
+
+_WORD = re.compile(r"\S+")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    start: int  # character offsets into the document text: text[start:end] == chunk text
+    end: int
+    text: str
+
+
+def chunk_text(text: str, words: int = CHUNK_WORDS, overlap: int = OVERLAP_WORDS) -> list[Chunk]:
+    """Windows of `words` whitespace-separated words, overlapping by `overlap` words."""
+    spans = [m.span() for m in _WORD.finditer(text)]
+    if not spans:
+        return []
+    step = max(1, words - overlap)
+    chunks = []
+    start_word = 0
+    while True:
+        end_word = min(start_word + words, len(spans))
+        s, e = spans[start_word][0], spans[end_word - 1][1]
+        chunks.append(Chunk(len(chunks), s, e, text[s:e]))
+        if end_word == len(spans):
+            return chunks
+        start_word += step
+
+
+def chunk_id(doc_id: str, index: int) -> int:
+    """A 63-bit id, a pure function of (doc_id, chunk_index): replays produce the same ids."""
+    digest = hashlib.blake2b(f"{doc_id}\x00{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & ((1 << 63) - 1)
+
+
+def shard_of(doc_id: str, shards: int) -> int:
+    """Documents are sharded by a hash of doc_id, so all chunks of a document share a shard."""
+    digest = hashlib.blake2b(doc_id.encode(), digest_size=8, person=b"shard").digest()
+    return int.from_bytes(digest, "big") % shards

@@ -1,0 +1,148 @@
+"""Versioned collections on disk: immutable builds, a release descriptor each, and an alias.
+
+    <data_dir>/<collection>/ALIAS                  {"live": build_id, "previous": build_id|null}
+    <data_dir>/<collection>/builds/<build_id>/release.json
+    <data_dir>/<collection>/builds/<build_id>/shard-000/{dense.faiss, rows.npy, docstore.sqlite, lexical/}
+
+A build holds the dense and the lexical index of every shard, so flipping the alias (one atomic
+rename of one small file) moves both together; the previous build stays for rollback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from server.errors import FailedPrecondition, IndexCorruptError, InvalidArgument, NotFound
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+DESCRIPTOR = "release.json"
+
+
+@dataclass
+class ReleaseDescriptor:
+    collection: str
+    build_id: str
+    model_id: str
+    model_revision: str
+    dim: int
+    metric: str
+    chunker: str
+    lexical_analyzer: str
+    factory: str
+    shards: int
+    corpus_version: str
+    documents: int
+    chunks: int
+    created_at: float
+    shard_files: dict = field(default_factory=dict)    # "shard-000" -> {file: {bytes, sha256}}
+    shard_counts: dict = field(default_factory=dict)   # "shard-000" -> {documents, chunks, tenants}
+    tenants: dict = field(default_factory=dict)        # tenant -> chunks
+    search_defaults: dict = field(default_factory=dict)  # nprobe / ef_search / k_factor
+    audit: Optional[dict] = None                       # ANN recall audit (index-builder audit)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: Path) -> "ReleaseDescriptor":
+        try:
+            data = json.loads(text)
+            return cls(**data)
+        except (ValueError, TypeError) as exc:
+            raise IndexCorruptError(f"release descriptor {source} is invalid: {exc}") from exc
+
+
+def check_name(name: str, what: str = "collection") -> str:
+    if not isinstance(name, str) or not NAME.match(name):
+        raise InvalidArgument(f"{what} name {str(name)[:80]!r} must match {NAME.pattern}")
+    return name
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write to a temporary file in the same directory, fsync, rename over the target."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class CollectionStore:
+    """Reads and writes the on-disk layout above; holds no open indexes."""
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = Path(data_dir)
+
+    def collection_dir(self, name: str) -> Path:
+        return self.data_dir / check_name(name)
+
+    def build_dir(self, name: str, build_id: str) -> Path:
+        return self.collection_dir(name) / "builds" / check_name(build_id, "build")
+
+    def collections(self) -> list[str]:
+        if not self.data_dir.is_dir():
+            return []
+        return sorted(p.name for p in self.data_dir.iterdir() if (p / "ALIAS").is_file())
+
+    def builds(self, name: str) -> list[str]:
+        d = self.collection_dir(name) / "builds"
+        return sorted(p.name for p in d.iterdir() if (p / DESCRIPTOR).is_file()) if d.is_dir() else []
+
+    def alias(self, name: str) -> dict:
+        path = self.collection_dir(name) / "ALIAS"
+        if not path.is_file():
+            raise NotFound(f"collection {name!r} does not exist (no published build)")
+        try:
+            return json.loads(path.read_text())
+        except ValueError as exc:
+            raise IndexCorruptError(f"alias file {path} is invalid: {exc}") from exc
+
+    def live_build(self, name: str) -> str:
+        return self.alias(name)["live"]
+
+    def descriptor(self, name: str, build_id: str) -> ReleaseDescriptor:
+        path = self.build_dir(name, build_id) / DESCRIPTOR
+        if not path.is_file():
+            raise NotFound(f"build {build_id!r} of collection {name!r} has no {DESCRIPTOR}")
+        return ReleaseDescriptor.from_json(path.read_text(), path)
+
+    def write_descriptor(self, desc: ReleaseDescriptor) -> None:
+        atomic_write(self.build_dir(desc.collection, desc.build_id) / DESCRIPTOR, desc.to_json())
+
+    def publish(self, name: str, build_id: str, require_audit: bool = True,
+                min_recall: Optional[float] = None) -> dict:
+        """Point the alias at `build_id` in one atomic write; the old live build becomes `previous`."""
+        desc = self.descriptor(name, build_id)
+        if require_audit:
+            audit = desc.audit
+            if not audit:
+                raise FailedPrecondition(f"build {build_id} has no recall audit; run index-builder audit")
+            threshold = min_recall if min_recall is not None else audit.get("min_recall", 0.0)
+            if not audit.get("passed") or audit.get("recall", 0.0) < threshold:
+                raise FailedPrecondition(
+                    f"build {build_id} recall@{audit.get('k')} = {audit.get('recall'):.4f} is below "
+                    f"the required {threshold:.4f}; not published")
+        alias_path = self.collection_dir(name) / "ALIAS"
+        previous = None
+        if alias_path.is_file():
+            previous = self.alias(name).get("live")
+        alias = {"live": build_id, "previous": previous if previous != build_id else None}
+        atomic_write(alias_path, json.dumps(alias))
+        return alias

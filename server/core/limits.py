@@ -1,0 +1,15 @@
+"""Documented caps on request sizes. Anything beyond them is refused with INVALID_ARGUMENT."""
+
+MAX_TOP_K = 1000
+MAX_DEPTH = 2000               # dense_depth / lexical_depth
+DEFAULT_DEPTH = 100
+DEFAULT_RRF_K = 60
+MAX_RRF_K = 10_000
+MAX_QUERY_CHARS = 8192
+MAX_FILTERS = 16
+MAX_FILTER_VALUES = 256
+MAX_FILTER_VALUE_CHARS = 256
+MAX_COLLECTION_NAME = 128
+MAX_CONTEXT_TOKENS = 100_000
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024   # gRPC receive limit on every listener
+DEFAULT_RERANK_CAP = 200              # server cap on rerank_depth (configurable)

@@ -1,0 +1,59 @@
+"""All Prometheus metrics, defined once.
+
+Latency buckets are geometric (x1.25 from 50 us to ~60 s), so neighbouring buckets differ by 25% and
+p99 and p99.9 land in different buckets. Stages are a label, not a metric each. A small in-memory
+window of recent latencies per stage backs the `CollectionStats` admin call (p50/p95/p99 now).
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict, deque
+
+import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = tuple(round(5e-5 * 1.25 ** i, 7) for i in range(64))
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+
+STAGE_SECONDS = Histogram("search_stage_seconds", "Latency of one stage of a request",
+                          ["stage"], buckets=LATENCY_BUCKETS)
+SHARD_SECONDS = Histogram("search_shard_seconds", "Latency of one shard call, per replica",
+                          ["shard", "replica"], buckets=LATENCY_BUCKETS)
+REQUESTS = Counter("search_requests_total", "RPCs answered, by method and status code",
+                   ["method", "code"])
+INFLIGHT = Gauge("search_inflight_requests", "Requests being served now")
+REJECTED = Counter("search_rejected_total", "Requests shed by admission control")
+HEDGES_SENT = Counter("search_hedges_sent_total", "Hedged shard requests sent", ["shard"])
+HEDGES_WON = Counter("search_hedges_won_total", "Hedged shard requests that answered first", ["shard"])
+RETRIES = Counter("search_retries_total", "Shard requests retried on another replica", ["shard"])
+SHARD_ERRORS = Counter("search_shard_errors_total", "Failed shard calls", ["shard", "replica", "code"])
+BATCH_SIZE = Histogram("search_batch_size", "Items per device call", ["model"], buckets=BATCH_BUCKETS)
+QUEUE_DEPTH = Gauge("search_batch_queue_depth", "Items waiting for a device call", ["model"])
+BATCH_DROPPED = Counter("search_batch_dropped_total", "Queued items dropped before the device call",
+                        ["model", "reason"])
+EMBED_CACHE = Counter("search_embedding_cache_total", "Query-embedding cache lookups", ["result"])
+
+
+class RecentLatencies:
+    """The last `window` observations per stage, for on-demand percentiles."""
+
+    def __init__(self, window: int = 4096):
+        self._data: dict[str, deque] = defaultdict(lambda: deque(maxlen=window))
+        self._lock = threading.Lock()
+
+    def observe(self, stage: str, seconds: float) -> None:
+        STAGE_SECONDS.labels(stage).observe(seconds)
+        with self._lock:
+            self._data[stage].append(seconds)
+
+    def percentiles(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            snapshot = {k: np.fromiter(v, float) for k, v in self._data.items() if v}
+        out = {}
+        for stage, xs in sorted(snapshot.items()):
+            p50, p95, p99 = np.percentile(xs, [50, 95, 99]) * 1e3
+            out[stage] = {"count": len(xs), "p50_ms": p50, "p95_ms": p95, "p99_ms": p99}
+        return out
+
+
+RECENT = RecentLatencies()

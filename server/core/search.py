@@ -1,0 +1,368 @@
+"""The search pipeline: validate -> embed -> fan out to shards -> merge -> fuse -> rerank -> assemble.
+
+Every stage is timed (per request, and in Prometheus), sees the request's remaining deadline, and
+raises domain errors (server/errors.py) that the transport maps to gRPC status codes.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from server.backends.device import Device
+from server.core import limits, metrics
+from server.core.assembly import assemble
+from server.core.batcher import MicroBatcher
+from server.core.collection import CollectionStore, ReleaseDescriptor, check_name
+from server.core.ranking import merge_topk, rrf
+from server.core.shards import LocalShard, Shard
+from server.core.types import (Candidate, Filter, RankedHit, SearchQuery, SearchResult, ShardQuery,
+                               ShardResult, TraceEntry)
+from server.errors import (CorpusVersionMismatch, DeadlineExceeded, FailedPrecondition,
+                           InvalidArgument, ModelMismatch, NotFound, Overloaded, SearchError,
+                           Unavailable)
+
+log = logging.getLogger(__name__)
+
+MODES = ("dense", "lexical", "hybrid")
+SCORE_KINDS = {"ip": "cosine", "l2": "l2"}
+
+
+@dataclass
+class SearchConfig:
+    data_dir: Path
+    max_inflight: int = 256
+    rerank_cap: int = limits.DEFAULT_RERANK_CAP
+    default_depth: int = limits.DEFAULT_DEPTH
+    default_rrf_k: int = limits.DEFAULT_RRF_K
+    dedupe: bool = True
+    embed_max_batch: int = 64
+    embed_max_tokens: int = 16384
+    embed_max_wait_ms: float = 2.0
+    rerank_max_batch: int = 64
+    rerank_max_tokens: int = 32768
+    rerank_max_wait_ms: float = 2.0
+    embedding_cache_size: int = 4096
+    shard_threads: int = 8
+    collections: Optional[Sequence[str]] = None  # None: every published collection
+
+
+@dataclass
+class LoadedCollection:
+    desc: ReleaseDescriptor
+    shards: list[Shard]
+
+    @property
+    def name(self) -> str:
+        return self.desc.collection
+
+
+class SearchCore:
+    """Owns the loaded collections and the model batchers; answers searches and admin reads."""
+
+    def __init__(self, config: SearchConfig, embedder=None, reranker=None,
+                 device: Optional[Device] = None):
+        self.config = config
+        self.store = CollectionStore(config.data_dir)
+        self.embedder = embedder
+        self.reranker = reranker
+        self.device = device
+        self.collections: dict[str, LoadedCollection] = {}
+        self.executor = ThreadPoolExecutor(max_workers=config.shard_threads,
+                                           thread_name_prefix="shard")
+        self.embed_batcher = (MicroBatcher("embed", embedder.encode, config.embed_max_batch,
+                                           config.embed_max_tokens, config.embed_max_wait_ms)
+                              if embedder is not None else None)
+        self.rerank_batcher = (MicroBatcher("rerank", reranker.score, config.rerank_max_batch,
+                                            config.rerank_max_tokens, config.rerank_max_wait_ms)
+                               if reranker is not None else None)
+        self._embed_cache: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+        self.inflight = 0
+        self.ready = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def load(self) -> None:
+        names = self.config.collections or self.store.collections()
+        for name in names:
+            self.load_collection(name)
+        self.ready = True
+
+    def load_collection(self, name: str, build_id: Optional[str] = None) -> LoadedCollection:
+        build_id = build_id or self.store.live_build(name)
+        desc = self.store.descriptor(name, build_id)
+        build_dir = self.store.build_dir(name, build_id)
+        shards = [LocalShard(desc, build_dir, i, self.device, self.executor)
+                  for i in range(desc.shards)]
+        loaded = LoadedCollection(desc, shards)
+        self.collections[name] = loaded
+        log.info("loaded %s build %s (%d shards, %d chunks, model %s)", name, build_id,
+                 desc.shards, desc.chunks, desc.model_id)
+        return loaded
+
+    async def close(self) -> None:
+        self.ready = False
+        for b in (self.embed_batcher, self.rerank_batcher):
+            if b is not None:
+                await b.close()
+        self.executor.shutdown(wait=True)
+        for c in self.collections.values():
+            for s in c.shards:
+                close = getattr(s, "close", None)
+                if close:
+                    close()
+
+    # --- reads -------------------------------------------------------------------------------
+    def collection(self, name: str) -> LoadedCollection:
+        check_name(name)
+        loaded = self.collections.get(name)
+        if loaded is None:
+            raise NotFound(f"collection {name!r} is not served here "
+                           f"(serving: {sorted(self.collections) or 'none'})")
+        return loaded
+
+    def stats(self, name: str) -> dict:
+        c = self.collection(name)
+        return {"documents": c.desc.documents, "chunks": c.desc.chunks,
+                "vectors": sum(getattr(s, "nrows", 0) for s in c.shards),
+                "stages": metrics.RECENT.percentiles()}
+
+    # --- search ------------------------------------------------------------------------------
+    def validate(self, q: SearchQuery, desc: ReleaseDescriptor) -> str:
+        """Check every field against the limits; return the resolved mode."""
+        if len(q.text) > limits.MAX_QUERY_CHARS:
+            raise InvalidArgument(f"query text is {len(q.text)} characters; the cap is "
+                                  f"{limits.MAX_QUERY_CHARS}")
+        mode = q.mode or ("hybrid" if q.text.strip() else "dense")
+        if mode not in MODES:
+            raise InvalidArgument(f"unknown mode {mode!r}; use one of {MODES}")
+        if not 1 <= q.top_k <= limits.MAX_TOP_K:
+            raise InvalidArgument(f"top_k must be between 1 and {limits.MAX_TOP_K}, not {q.top_k}")
+        for name, depth in (("dense_depth", q.dense_depth), ("lexical_depth", q.lexical_depth)):
+            if depth > limits.MAX_DEPTH:
+                raise InvalidArgument(f"{name} {depth} exceeds the cap {limits.MAX_DEPTH}")
+        if q.rrf_k > limits.MAX_RRF_K:
+            raise InvalidArgument(f"rrf_k {q.rrf_k} exceeds the cap {limits.MAX_RRF_K}")
+        if q.rerank_depth > self.config.rerank_cap:
+            raise InvalidArgument(f"rerank_depth {q.rerank_depth} exceeds the server cap "
+                                  f"{self.config.rerank_cap}")
+        if q.rerank_depth and self.rerank_batcher is None:
+            raise FailedPrecondition("rerank_depth was given but this server has no cross-encoder "
+                                     "(start it with --reranker DIR)")
+        if q.context_token_budget > limits.MAX_CONTEXT_TOKENS:
+            raise InvalidArgument(f"context_token_budget exceeds the cap {limits.MAX_CONTEXT_TOKENS}")
+        if len(q.filters) > limits.MAX_FILTERS:
+            raise InvalidArgument(f"{len(q.filters)} filters; the cap is {limits.MAX_FILTERS}")
+        from server.backends.docstore import check_filter_key
+
+        for f in q.filters:
+            check_filter_key(f.key)
+            if not f.any_of or len(f.any_of) > limits.MAX_FILTER_VALUES:
+                raise InvalidArgument(f"filter {f.key!r} needs 1..{limits.MAX_FILTER_VALUES} values")
+            if any(len(v) > limits.MAX_FILTER_VALUE_CHARS for v in f.any_of):
+                raise InvalidArgument(f"a value of filter {f.key!r} exceeds "
+                                      f"{limits.MAX_FILTER_VALUE_CHARS} characters")
+        needs_text = mode in ("lexical", "hybrid") or (mode == "dense" and q.vector is None)
+        if needs_text and not q.text.strip():
+            raise InvalidArgument(f"mode {mode} needs a non-empty query text"
+                                  + ("" if mode != "dense" else " or a query vector"))
+        if q.vector is not None:
+            if not q.vector_model_id:
+                raise ModelMismatch("query vector has no model id; tag it with the model that "
+                                    f"produced it (this build serves {desc.model_id!r})")
+            if q.vector_model_id != desc.model_id:
+                raise ModelMismatch(f"query vector is from model {q.vector_model_id!r}; collection "
+                                    f"{desc.collection!r} serves {desc.model_id!r}")
+            if q.vector.shape != (desc.dim,):
+                raise InvalidArgument(f"query vector has dimension {q.vector.size}; collection "
+                                      f"{desc.collection!r} has dimension {desc.dim}")
+            if not np.isfinite(q.vector).all():
+                raise InvalidArgument("query vector contains NaN or infinite values")
+            if mode == "lexical":
+                raise InvalidArgument("mode lexical takes text, not a vector")
+        return mode
+
+    async def _embed(self, text: str, desc: ReleaseDescriptor, deadline: Optional[float],
+                     notes: list[str]) -> np.ndarray:
+        if self.embedder is None:
+            raise FailedPrecondition("this server has no embedder; send a query vector")
+        if self.embedder.model_id != desc.model_id:
+            raise FailedPrecondition(f"the server's embedder {self.embedder.model_id!r} cannot "
+                                     f"embed for build {desc.build_id} ({desc.model_id!r})")
+        key = (self.embedder.model_id, hashlib.sha256(text.encode()).hexdigest())
+        cached = self._embed_cache.get(key)
+        if cached is not None:
+            self._embed_cache.move_to_end(key)
+            metrics.EMBED_CACHE.labels("hit").inc()
+            return cached
+        metrics.EMBED_CACHE.labels("miss").inc()
+        tokens = self.embedder.count_tokens([text])[0]
+        if tokens > self.embedder.max_length:
+            notes.append(f"query has {tokens} tokens; embedded its first {self.embedder.max_length}")
+        vec = await self.embed_batcher.submit(text, min(tokens, self.embedder.max_length), deadline)
+        self._embed_cache[key] = vec
+        if len(self._embed_cache) > self.config.embedding_cache_size:
+            self._embed_cache.popitem(last=False)
+        return vec
+
+    async def _fan_out(self, coll: LoadedCollection, sq: ShardQuery, deadline: Optional[float],
+                       allow_partial: bool) -> tuple[list[ShardResult], list[str]]:
+        loop = asyncio.get_running_loop()
+        timeout = None if deadline is None else max(0.0, deadline - loop.time())
+        results = await asyncio.gather(*(s.search(sq, timeout) for s in coll.shards),
+                                       return_exceptions=True)
+        ok, errors = [], []
+        for shard, r in zip(coll.shards, results):
+            if isinstance(r, BaseException):
+                if isinstance(r, asyncio.TimeoutError):
+                    r = DeadlineExceeded(f"shard {shard.shard_no} did not answer within the deadline")
+                if isinstance(r, (InvalidArgument, FailedPrecondition)) or not isinstance(r, SearchError):
+                    if not isinstance(r, SearchError):
+                        log.exception("shard %d failed", shard.shard_no, exc_info=r)
+                        r = Unavailable(f"shard {shard.shard_no} failed: {type(r).__name__}: {r}")
+                    raise r
+                errors.append(f"shard {shard.shard_no}: {r}")
+            else:
+                ok.append(r)
+        if errors and not allow_partial:
+            first = next(r for r in results if isinstance(r, BaseException))
+            if isinstance(first, asyncio.TimeoutError):
+                raise DeadlineExceeded(f"{len(errors)} of {len(coll.shards)} shards did not answer "
+                                       f"in time: {'; '.join(errors)}")
+            raise type(first)(f"{len(errors)} of {len(coll.shards)} shards failed: {'; '.join(errors)}")
+        return ok, errors
+
+    def _check_deadline(self, deadline: Optional[float], stage: str) -> None:
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+            raise DeadlineExceeded(f"deadline passed before {stage}")
+
+    async def search(self, q: SearchQuery, tenant: str, deadline: Optional[float] = None) -> SearchResult:
+        """`tenant` comes from the caller's credentials (transport), never from the request."""
+        if not tenant:
+            raise FailedPrecondition("no tenant resolved for the caller")
+        if self.inflight >= self.config.max_inflight:
+            metrics.REJECTED.inc()
+            raise Overloaded(f"{self.inflight} requests in flight (limit {self.config.max_inflight}); "
+                             "retry with backoff")
+        self.inflight += 1
+        metrics.INFLIGHT.inc()
+        try:
+            return await self._search(q, tenant, deadline)
+        finally:
+            self.inflight -= 1
+            metrics.INFLIGHT.dec()
+
+    async def _search(self, q: SearchQuery, tenant: str, deadline: Optional[float]) -> SearchResult:
+        t_start = time.perf_counter()
+        timings: dict[str, float] = {}
+        notes: list[str] = []
+
+        def lap(stage: str, t0: float) -> float:
+            now = time.perf_counter()
+            timings[stage] = (now - t0) * 1e3
+            metrics.RECENT.observe(stage, now - t0)
+            return now
+
+        coll = self.collection(q.collection)
+        desc = coll.desc
+        mode = self.validate(q, desc)
+        t = time.perf_counter()
+        vector = q.vector
+        if mode in ("dense", "hybrid") and vector is None:
+            self._check_deadline(deadline, "embed")
+            vector = await self._embed(q.text, desc, deadline, notes)
+            t = lap("embed", t)
+        dense_depth = q.dense_depth or max(self.config.default_depth, q.top_k)
+        lexical_depth = q.lexical_depth or max(self.config.default_depth, q.top_k)
+        sq = ShardQuery(desc.build_id, tenant,
+                        vector.astype(np.float32) if mode != "lexical" else None, desc.model_id,
+                        q.text if mode != "dense" else "", dense_depth, lexical_depth, q.filters)
+        self._check_deadline(deadline, "retrieval")
+        results, shard_errors = await self._fan_out(coll, sq, deadline, q.allow_partial)
+        t = lap("retrieve", t)
+        for r in results:
+            if r.dense_ms:
+                metrics.RECENT.observe("dense", r.dense_ms / 1e3)
+            if r.lexical_ms:
+                metrics.RECENT.observe("lexical", r.lexical_ms / 1e3)
+        timings["dense"] = max((r.dense_ms for r in results), default=0.0)
+        timings["lexical"] = max((r.lexical_ms for r in results), default=0.0)
+        versions = {r.corpus_version for r in results}
+        if len(versions) > 1 or (versions and versions != {desc.corpus_version}):
+            raise CorpusVersionMismatch(f"shards answered from corpus versions {sorted(versions)}; "
+                                        f"build {desc.build_id} is {desc.corpus_version}")
+
+        dense = merge_topk((r.dense for r in results), dense_depth) if sq.vector is not None else []
+        lexical = merge_topk((r.lexical for r in results), lexical_depth) if sq.text else []
+        dense_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(dense)}
+        lex_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(lexical)}
+        by_id = {c.chunk_id: c for c in lexical}
+        by_id.update({c.chunk_id: c for c in dense})
+        dense_kind = SCORE_KINDS.get(desc.metric, "inner_product")
+        if mode == "hybrid":
+            fused = rrf({"dense": [c.chunk_id for c in dense],
+                         "lexical": [c.chunk_id for c in lexical]}, q.rrf_k or self.config.default_rrf_k)
+            ranked = [RankedHit(by_id[cid], s, "rrf", dense_pos.get(cid), lex_pos.get(cid), (i + 1, s))
+                      for i, (cid, s) in enumerate(fused)]
+        elif mode == "dense":
+            ranked = [RankedHit(c, c.score, dense_kind, dense_pos[c.chunk_id]) for c in dense]
+        else:
+            ranked = [RankedHit(c, c.score, "bm25", None, lex_pos[c.chunk_id]) for c in lexical]
+        t = lap("fusion", t)
+
+        pre_rerank = ranked
+        if q.rerank_depth and ranked:
+            self._check_deadline(deadline, "rerank")
+            head, tail = ranked[:q.rerank_depth], ranked[q.rerank_depth:]
+            scores = await asyncio.gather(*(
+                self.rerank_batcher.submit((q.text, h.candidate.record.text),
+                                           (len(q.text) + len(h.candidate.record.text)) // 4 + 3,
+                                           deadline) for h in head))
+            order = sorted(range(len(head)), key=lambda i: (-scores[i], head[i].candidate.chunk_id))
+            reranked = []
+            for rank, i in enumerate(order, start=1):
+                h = head[i]
+                h.rerank = (rank, float(scores[i]))
+                h.score, h.score_kind = float(scores[i]), "cross_encoder"
+                reranked.append(h)
+            ranked = reranked + tail
+            t = lap("rerank", t)
+
+        count = self.embedder.count_tokens if self.embedder is not None else None
+        if q.context_token_budget and count is None:
+            raise FailedPrecondition("a context token budget needs the server's tokenizer (embedder)")
+        selected, dropped, used = assemble(ranked, q.top_k, tenant, q.context_token_budget, count,
+                                           self.config.dedupe)
+        lap("assembly", t)
+        timings["total"] = (time.perf_counter() - t_start) * 1e3
+        metrics.RECENT.observe("total", timings["total"] / 1e3)
+
+        trace = None
+        if q.include_trace:
+            def entries(cands: Sequence[Candidate]):
+                return [TraceEntry(c.chunk_id, c.record.doc_id, c.score, i + 1) for i, c in enumerate(cands)]
+
+            def ranked_entries(hits: Sequence[RankedHit]):
+                return [TraceEntry(h.candidate.chunk_id, h.candidate.record.doc_id, h.score, i + 1)
+                        for i, h in enumerate(hits)]
+
+            trace = {"dense": entries(dense), "lexical": entries(lexical)}
+            if mode == "hybrid":
+                trace["fused"] = [TraceEntry(h.candidate.chunk_id, h.candidate.record.doc_id,
+                                             h.fused[1], h.fused[0]) for h in pre_rerank]
+            if q.rerank_depth:
+                trace["reranked"] = ranked_entries(ranked[:q.rerank_depth])
+            trace["context"] = ranked_entries(selected)
+            trace["dropped"] = [TraceEntry(h.candidate.chunk_id, h.candidate.record.doc_id, h.score,
+                                           0, reason) for h, reason in dropped]
+        model_id = desc.model_id
+        return SearchResult(selected, desc.build_id, desc.corpus_version, model_id, timings,
+                            bool(shard_errors), shard_errors, trace, notes, used)

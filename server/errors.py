@@ -1,0 +1,50 @@
+"""Domain errors. The core and backends raise these; server/transport/errors.py maps them to gRPC
+status codes in one table. Nothing here imports grpc."""
+
+
+class SearchError(Exception):
+    """Base class: every error a caller may see with a clear status and message."""
+
+
+class InvalidArgument(SearchError):
+    """The request is malformed or out of range (never retried)."""
+
+
+class NotFound(SearchError):
+    """An unknown collection, build or document."""
+
+
+class ModelMismatch(InvalidArgument):
+    """A query vector tagged with another embedding model than the build's, or untagged."""
+
+
+class FailedPrecondition(SearchError):
+    """The system is not in a state that allows the operation (e.g. an audit that did not pass)."""
+
+
+class Overloaded(SearchError):
+    """Admission control shed the request."""
+
+
+class Unavailable(SearchError):
+    """Not ready, or every replica of a needed shard failed."""
+
+
+class DeadlineExceeded(SearchError):
+    """The request's deadline passed before it could be answered."""
+
+
+class Unauthenticated(SearchError):
+    """No valid credentials."""
+
+
+class PermissionDenied(SearchError):
+    """Valid credentials, but not allowed to do this."""
+
+
+class IndexCorruptError(SearchError):
+    """An index file is missing, truncated or corrupted; the message names the file."""
+
+
+class CorpusVersionMismatch(SearchError):
+    """Dense and lexical candidates came from different corpus versions (never fused)."""

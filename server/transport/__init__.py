@@ -1,0 +1,1 @@
+"""gRPC transport: servicers, the error boundary, authentication and the server process."""

@@ -1,0 +1,83 @@
+"""Build and run the gRPC server: services, health, reflection, metrics, graceful shutdown."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from server.core import limits
+from server.core.search import SearchCore
+from server.rpc import search_pb2, search_pb2_grpc
+from server.transport.auth import Authenticator
+from server.transport.servicers import AdminServicer, SearchServicer
+
+log = logging.getLogger(__name__)
+
+SERVICES = (search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name,
+            search_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_concurrent_streams", 1024),
+]
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    core: SearchCore
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Flip health to NOT_SERVING, stop accepting, drain in-flight calls and batch queues."""
+        for name in ("",) + SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)
+        await self.core.close()
+
+
+async def start_server(core: SearchCore, auth: Authenticator, host: str = "127.0.0.1",
+                       port: int = 0) -> RunningServer:
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    search_pb2_grpc.add_SearchServiceServicer_to_server(SearchServicer(core, auth), server)
+    search_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(core, auth), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(SERVICES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot listen on {host}:{port}")
+    await server.start()
+    status = (health_pb2.HealthCheckResponse.SERVING if core.ready
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("",) + SERVICES:
+        await health_servicer.set(name, status)
+    return RunningServer(server, bound, health_servicer, core)
+
+
+async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: int,
+                        metrics_port: Optional[int], ready_message: bool = True) -> None:
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=host)
+    running = await start_server(core, auth, host, port)
+    if ready_message:
+        print(f"search-server listening on {host}:{running.port}"
+              + (f", metrics on http://{host}:{metrics_port}/metrics" if metrics_port is not None else ""),
+              flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining in-flight requests")
+    await running.stop()

@@ -1,0 +1,155 @@
+"""Shared fixtures: tiny random transformer models (mechanics, fast), small real collections,
+and a real gRPC server on a loopback socket."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CRANFIELD = REPO.parent / "shared" / "datasets" / "cranfield"
+
+
+def _tokenizer_files(dst: Path) -> None:
+    from server.backends.models import packaged_minilm_dir
+
+    src = packaged_minilm_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy2(src / name, dst / name)
+
+
+@pytest.fixture(scope="session")
+def tiny_embedder_dir(tmp_path_factory) -> Path:
+    """A randomly initialised 1-layer BERT with MiniLM's tokenizer: real code path, no real weights."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    d = tmp_path_factory.mktemp("tiny-embedder")
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=128)
+    BertModel(cfg).save_pretrained(d)
+    _tokenizer_files(d)
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128}))
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_dir(tmp_path_factory) -> Path:
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    d = tmp_path_factory.mktemp("tiny-reranker")
+    torch.manual_seed(1)
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=256, num_labels=1)
+    BertForSequenceClassification(cfg).save_pretrained(d)
+    _tokenizer_files(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_embedder(tiny_embedder_dir):
+    from server.backends.device import Device
+    from server.backends.models import Embedder
+
+    return Embedder(tiny_embedder_dir, Device("cpu"), model_name="tiny-test-embedder")
+
+
+@pytest.fixture(scope="session")
+def cranfield_docs():
+    from index_builder.corpus import read_corpus
+
+    if not (CRANFIELD / "corpus.jsonl").is_file():
+        pytest.skip(f"Cranfield dataset not found at {CRANFIELD}")
+    return list(read_corpus(CRANFIELD))
+
+
+@pytest.fixture(scope="session")
+def small_collection(tmp_path_factory, tiny_embedder, cranfield_docs):
+    """300 Cranfield documents, 2 shards, Flat, built with the tiny embedder and published."""
+    from index_builder.build import audit_build, build_collection
+    from server.core.collection import CollectionStore
+
+    data = tmp_path_factory.mktemp("data")
+    store = CollectionStore(data)
+    desc = build_collection(cranfield_docs[:300], store, "cran", tiny_embedder, "Flat", shards=2,
+                            quiet=True)
+    audit_build(store, "cran", desc.build_id)
+    store.publish("cran", desc.build_id)
+    return data, desc
+
+
+class ServerThread:
+    """A real grpc.aio server on 127.0.0.1 running its own event loop in a thread."""
+
+    def __init__(self, core, auth):
+        self.core, self.auth = core, auth
+        self.loop = asyncio.new_event_loop()
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.port = None
+        self.error = None
+
+    def _run(self):
+        from server.transport.app import start_server
+
+        asyncio.set_event_loop(self.loop)
+
+        async def boot():
+            self.running = await start_server(self.core, self.auth, "127.0.0.1", 0)
+            self.port = self.running.port
+
+        try:
+            self.loop.run_until_complete(boot())
+        except BaseException as exc:  # surfaced to the test by start()
+            self.error = exc
+            self.started.set()
+            return
+        self.started.set()
+        self.loop.run_forever()
+
+    def start(self):
+        self.thread.start()
+        self.started.wait(60)
+        if self.error:
+            raise self.error
+        return self
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self):
+        fut = asyncio.run_coroutine_threadsafe(self.running.stop(1.0), self.loop)
+        fut.result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+def start_core_server(data_dir, embedder=None, reranker=None, **config):
+    from server.backends.device import Device
+    from server.core.search import SearchConfig, SearchCore
+    from server.transport.auth import AnonymousAuth
+
+    core = SearchCore(SearchConfig(data_dir=data_dir, **config), embedder, reranker, Device("cpu"))
+    core.load()
+    return ServerThread(core, AnonymousAuth("default")).start()
+
+
+@pytest.fixture(scope="module")
+def server(small_collection, tiny_embedder):
+    data, _ = small_collection
+    srv = start_core_server(data, tiny_embedder)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

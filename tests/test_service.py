@@ -1,0 +1,187 @@
+"""The gRPC service on a real loopback socket: round trips, and every bad input gets a clear status
+while the server keeps serving."""
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from server.core import limits
+from server.rpc import search_pb2 as pb
+from server.rpc import search_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    ch = grpc.insecure_channel(server.address,
+                               options=[("grpc.max_send_message_length", 64 * 1024 * 1024)])
+    yield ch
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return pb_grpc.SearchServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def admin(channel):
+    return pb_grpc.AdminServiceStub(channel)
+
+
+def healthy(channel):
+    resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_hybrid_round_trip_carries_citations_scores_and_timings(stub, small_collection):
+    _, desc = small_collection
+    resp = stub.Search(pb.SearchRequest(collection="cran", text="boundary layer heat transfer",
+                                        top_k=5, mode=pb.HYBRID, include_trace=True), timeout=10)
+    assert len(resp.hits) == 5
+    assert resp.build_id == desc.build_id and resp.corpus_version == desc.corpus_version
+    h = resp.hits[0]
+    assert h.score_kind == pb.RRF and h.higher_is_better
+    assert h.doc_id and h.text and h.end_offset > h.start_offset
+    assert h.fused.rank == 1 and (h.dense.rank or h.lexical.rank)
+    scores = [x.score for x in resp.hits]
+    assert scores == sorted(scores, reverse=True)
+    stages = {t.stage for t in resp.timings}
+    assert {"embed", "retrieve", "fusion", "assembly", "total"} <= stages
+    lists = {lst.name for lst in resp.trace.lists}
+    assert {"dense", "lexical", "fused", "context", "dropped"} <= lists
+
+
+def test_chunk_text_is_the_source_slice_at_its_offsets(stub, cranfield_docs):
+    by_id = {d.doc_id: d.text for d in cranfield_docs}
+    resp = stub.Search(pb.SearchRequest(collection="cran", text="supersonic flow", top_k=10,
+                                        mode=pb.LEXICAL), timeout=10)
+    assert resp.hits
+    for h in resp.hits:
+        assert by_id[h.doc_id][h.start_offset:h.end_offset] == h.text
+        assert h.score_kind == pb.BM25
+
+
+def test_dense_search_with_a_tagged_vector(stub, small_collection, tiny_embedder):
+    _, desc = small_collection
+    v = tiny_embedder.encode(["pressure distribution on wings"])[0]
+    resp = stub.Search(pb.SearchRequest(
+        collection="cran", top_k=3, mode=pb.DENSE,
+        vector=pb.QueryVector(values=v.tolist(), model_id=desc.model_id)), timeout=10)
+    assert len(resp.hits) == 3 and resp.hits[0].score_kind == pb.COSINE_SIMILARITY
+    text_resp = stub.Search(pb.SearchRequest(collection="cran", text="pressure distribution on wings",
+                                             top_k=3, mode=pb.DENSE), timeout=10)
+    assert [h.chunk_id for h in resp.hits] == [h.chunk_id for h in text_resp.hits]
+
+
+BAD = {
+    "unknown collection": (dict(collection="nope", text="x", top_k=5), grpc.StatusCode.NOT_FOUND, "nope"),
+    "invalid collection name": (dict(collection="../etc", text="x", top_k=5),
+                                grpc.StatusCode.INVALID_ARGUMENT, "collection name"),
+    "top_k zero": (dict(collection="cran", text="x", top_k=0), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    "top_k above cap": (dict(collection="cran", text="x", top_k=limits.MAX_TOP_K + 1),
+                        grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    "empty query": (dict(collection="cran", text="   ", top_k=5, mode=pb.HYBRID),
+                    grpc.StatusCode.INVALID_ARGUMENT, "non-empty"),
+    "no query at all": (dict(collection="cran", top_k=5), grpc.StatusCode.INVALID_ARGUMENT, "non-empty"),
+    "unknown mode": (dict(collection="cran", text="x", top_k=5, mode=17),
+                     grpc.StatusCode.INVALID_ARGUMENT, "mode"),
+    "query too long": (dict(collection="cran", text="a" * (limits.MAX_QUERY_CHARS + 1), top_k=5),
+                       grpc.StatusCode.INVALID_ARGUMENT, "characters"),
+    "depth above cap": (dict(collection="cran", text="x", top_k=5, dense_depth=limits.MAX_DEPTH + 1),
+                        grpc.StatusCode.INVALID_ARGUMENT, "dense_depth"),
+    "rerank without reranker": (dict(collection="cran", text="x", top_k=5, rerank_depth=5),
+                                grpc.StatusCode.FAILED_PRECONDITION, "cross-encoder"),
+    "bad filter key": (dict(collection="cran", text="x", top_k=5,
+                            filters=[pb.MetadataFilter(key="a'); drop", any_of=["1"])]),
+                       grpc.StatusCode.INVALID_ARGUMENT, "filter key"),
+    "filter without values": (dict(collection="cran", text="x", top_k=5,
+                                   filters=[pb.MetadataFilter(key="lang")]),
+                              grpc.StatusCode.INVALID_ARGUMENT, "values"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_requests_get_a_clear_status_and_the_server_stays_up(case, stub, channel):
+    fields, code, words = BAD[case]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Search(pb.SearchRequest(**fields), timeout=10)
+    assert err.value.code() == code, err.value.details()
+    assert words in err.value.details()
+    assert healthy(channel)
+
+
+def vector_request(values, model_id):
+    return pb.SearchRequest(collection="cran", top_k=5, mode=pb.DENSE,
+                            vector=pb.QueryVector(values=values, model_id=model_id))
+
+
+def test_wrong_dimension_is_refused(stub, small_collection):
+    _, desc = small_collection
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Search(vector_request([0.1] * (desc.dim + 1), desc.model_id), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "dimension" in err.value.details()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_vectors_are_refused(stub, small_collection, bad):
+    _, desc = small_collection
+    values = [0.1] * desc.dim
+    values[3] = bad
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Search(vector_request(values, desc.model_id), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "NaN" in err.value.details()
+
+
+@pytest.mark.parametrize("model_id", ["", "some-other-model@123"])
+def test_vectors_from_another_or_no_model_are_refused(stub, small_collection, model_id):
+    _, desc = small_collection
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Search(vector_request([0.1] * desc.dim, model_id), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model" in err.value.details()
+
+
+def test_oversized_message_is_refused_by_the_transport(stub, channel):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Search(pb.SearchRequest(collection="cran", text="x" * (limits.MAX_MESSAGE_BYTES + 10),
+                                     top_k=5), timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert healthy(channel)
+
+
+def test_upserts_are_refused_clearly_until_streaming_ingest_exists(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpsertDocument(pb.UpsertDocumentRequest(collection="cran", doc_id="1", version=2,
+                                                     text="x"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_admin_describes_the_live_build_and_reports_stage_percentiles(admin, stub, small_collection):
+    _, desc = small_collection
+    listed = admin.ListCollections(pb.ListCollectionsRequest(), timeout=10)
+    assert [c.name for c in listed.collections] == ["cran"]
+    d = admin.DescribeCollection(pb.DescribeCollectionRequest(collection="cran"), timeout=10)
+    assert (d.build_id, d.model_id, d.dim, d.factory, d.shards) == \
+        (desc.build_id, desc.model_id, desc.dim, "Flat", 2)
+    assert '"recall"' in d.descriptor_json
+    stub.Search(pb.SearchRequest(collection="cran", text="wing", top_k=3), timeout=10)
+    stats = admin.CollectionStats(pb.CollectionStatsRequest(collection="cran"), timeout=10)
+    assert stats.chunks == desc.chunks and stats.vectors == desc.chunks
+    total = {s.stage: s for s in stats.stages}["total"]
+    assert total.count >= 1 and total.p99_ms >= total.p50_ms > 0
+    with pytest.raises(grpc.RpcError) as err:
+        admin.DescribeCollection(pb.DescribeCollectionRequest(collection="missing"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_lists_the_public_services(channel):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    req = reflection_pb2.ServerReflectionRequest(list_services="")
+    names = {s.name for r in stub.ServerReflectionInfo(iter([req]), timeout=10)
+             for s in r.list_services_response.service}
+    assert {"searchserver.v1.SearchService", "searchserver.v1.AdminService",
+            "grpc.health.v1.Health"} <= names
