@@ -1,0 +1,52 @@
+"""The evaluation metrics, against rankings computed by hand and against ranx on the same runs."""
+import math
+
+import numpy as np
+import pytest
+
+from index_builder.evaluate import (collapse_to_documents, hit_at, mrr_at, ndcg_at, precision_at,
+                                    recall_at, score_query)
+
+QRELS = {"a": 3, "b": 1, "c": 2}
+
+
+def test_metrics_by_hand():
+    ranking = ["x", "a", "y", "c"]
+    dcg = 3 / math.log2(3) + 2 / math.log2(5)
+    idcg = 3 / math.log2(2) + 2 / math.log2(3) + 1 / math.log2(4)
+    assert ndcg_at(ranking, QRELS, 10) == pytest.approx(dcg / idcg)
+    assert recall_at(ranking, QRELS, 10) == pytest.approx(2 / 3)
+    assert recall_at(ranking, QRELS, 1) == 0.0
+    assert precision_at(ranking, QRELS, 10) == pytest.approx(0.2)
+    assert mrr_at(ranking, QRELS, 10) == pytest.approx(0.5)
+    assert hit_at(ranking, QRELS, 10) == 1.0 and hit_at(["x"], QRELS, 10) == 0.0
+    assert ndcg_at(["a", "c", "b"], QRELS, 10) == pytest.approx(1.0)
+
+
+def test_chunks_collapse_to_their_documents_best_rank():
+    assert collapse_to_documents(["d1", "d2", "d1", "d3", "d2"], 10) == ["d1", "d2", "d3"]
+    assert collapse_to_documents(["d1", "d2", "d3"], 2) == ["d1", "d2"]
+
+
+def test_metrics_agree_with_ranx_on_random_runs():
+    ranx = pytest.importorskip("ranx")
+    rng = np.random.default_rng(3)
+    docs = [f"d{i}" for i in range(60)]
+    qrels, run = {}, {}
+    for q in range(40):
+        rel = rng.choice(docs, size=int(rng.integers(1, 8)), replace=False)
+        qrels[f"q{q}"] = {d: int(rng.integers(1, 5)) for d in rel}
+        ranked = list(rng.choice(docs, size=120 if q % 2 else 30, replace=True))
+        run[f"q{q}"] = collapse_to_documents(ranked, 100)
+    ours = {m: np.mean([score_query(run[q], qrels[q])[m] for q in qrels])
+            for m in ("ndcg@10", "recall@10", "recall@100", "mrr@10", "hit@10", "precision@10")}
+    r_run = ranx.Run({q: {d: float(len(r) - i) for i, d in enumerate(r)} for q, r in run.items()})
+    r_qrels = ranx.Qrels(qrels)
+    theirs = ranx.evaluate(r_qrels, r_run, ["ndcg@10", "recall@10", "recall@100", "mrr@10",
+                                            "hit_rate@10", "precision@10"])
+    assert ours["ndcg@10"] == pytest.approx(theirs["ndcg@10"], abs=1e-6)
+    assert ours["recall@10"] == pytest.approx(theirs["recall@10"], abs=1e-6)
+    assert ours["recall@100"] == pytest.approx(theirs["recall@100"], abs=1e-6)
+    assert ours["mrr@10"] == pytest.approx(theirs["mrr@10"], abs=1e-6)
+    assert ours["hit@10"] == pytest.approx(theirs["hit_rate@10"], abs=1e-6)
+    assert ours["precision@10"] == pytest.approx(theirs["precision@10"], abs=1e-6)

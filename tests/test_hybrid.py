@@ -1,0 +1,120 @@
+"""Hybrid retrieval mechanics through the real service: lexical finds exact identifiers, fusion
+carries every retriever's rank, the cross-encoder reorders the fused head, context assembly keeps
+a token budget, metadata filters restrict both branches before ranking."""
+import grpc
+import pytest
+
+from server.rpc import search_pb2 as pb
+from server.rpc import search_pb2_grpc as pb_grpc
+
+from conftest import start_core_server
+
+TOPICS = ["boundary layer", "shock wave", "heat transfer", "wing flutter", "jet noise"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(tmp_path_factory, tiny_embedder, tiny_reranker_dir):
+    from index_builder.build import audit_build, build_collection
+    from index_builder.corpus import Document
+    from server.backends.device import Device
+    from server.backends.models import CrossEncoder
+    from server.core.collection import CollectionStore
+
+    docs = []
+    for i in range(120):
+        topic = TOPICS[i % len(TOPICS)]
+        docs.append(Document(f"doc{i}", f"Report {i} on {topic} measurements in a wind tunnel. "
+                             f"The {topic} results are compared with theory.",
+                             title=f"{topic} report {i}",
+                             metadata={"product": "alpha" if i % 3 else "beta",
+                                       "lang": "en" if i % 2 else "de"}))
+    docs.append(Document("ident", "Specification NACA-TN-4711 describes the zeta-omega procedure.",
+                         title="specification", metadata={"product": "alpha", "lang": "en"}))
+    data = tmp_path_factory.mktemp("hybrid")
+    store = CollectionStore(data)
+    desc = build_collection(docs, store, "h", tiny_embedder, "HNSW16,Flat", shards=3, quiet=True)
+    audit_build(store, "h", desc.build_id)
+    store.publish("h", desc.build_id)
+    reranker = CrossEncoder(tiny_reranker_dir, Device("cpu"))
+    srv = start_core_server(data, tiny_embedder, reranker, rerank_cap=50)
+    yield srv, reranker
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(hybrid_server):
+    ch = grpc.insecure_channel(hybrid_server[0].address)
+    yield pb_grpc.SearchServiceStub(ch)
+    ch.close()
+
+
+def search(stub, **kw):
+    kw.setdefault("collection", "h")
+    kw.setdefault("top_k", 10)
+    return stub.Search(pb.SearchRequest(**kw), timeout=30)
+
+
+def test_lexical_finds_an_exact_identifier_first(stub):
+    resp = search(stub, text="NACA-TN-4711", mode=pb.LEXICAL)
+    assert resp.hits[0].doc_id == "ident"
+    hyb = search(stub, text="NACA-TN-4711", mode=pb.HYBRID)
+    top = hyb.hits[0]
+    assert top.doc_id == "ident" and top.lexical.rank == 1
+
+
+def test_hybrid_hits_carry_each_retrievers_rank_and_the_fused_score(stub):
+    resp = search(stub, text="shock wave measurements", mode=pb.HYBRID, rrf_k=60)
+    for i, h in enumerate(resp.hits, start=1):
+        assert h.fused.rank == i
+        expected = sum(1 / (60 + r) for r in (h.dense.rank, h.lexical.rank) if r)
+        assert h.score == pytest.approx(expected, rel=1e-5)
+    assert any(h.dense.rank and h.lexical.rank for h in resp.hits)
+
+
+def test_rerank_reorders_the_fused_head_by_cross_encoder_score(stub, hybrid_server):
+    _, reranker = hybrid_server
+    q = "heat transfer in a wind tunnel"
+    resp = search(stub, text=q, mode=pb.HYBRID, rerank_depth=20, include_trace=True)
+    scores = [h.rerank.score for h in resp.hits]
+    assert scores == sorted(scores, reverse=True)
+    assert all(h.score_kind == pb.CROSS_ENCODER for h in resp.hits)
+    assert [h.rerank.rank for h in resp.hits] == list(range(1, 11))
+    direct = reranker.score([(q, resp.hits[0].text)])[0]
+    assert resp.hits[0].rerank.score == pytest.approx(float(direct), abs=1e-4)
+    assert "reranked" in {lst.name for lst in resp.trace.lists}
+    assert "rerank" in {t.stage for t in resp.timings}
+
+
+def test_rerank_depth_above_the_cap_is_refused(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        search(stub, text="jet noise", rerank_depth=51)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cap" in err.value.details()
+
+
+def test_queries_longer_than_the_model_window_are_truncated_and_say_so(stub):
+    long_q = " ".join(["boundary layer separation"] * 100)
+    resp = search(stub, text=long_q, mode=pb.HYBRID, include_trace=True)
+    assert resp.hits
+    assert any("tokens" in n and "embedded its first" in n for n in resp.trace.notes)
+
+
+def test_context_budget_is_respected_and_dropped_items_carry_reasons(stub, hybrid_server):
+    resp = search(stub, text="wing flutter", mode=pb.HYBRID, top_k=10, context_token_budget=60,
+                  include_trace=True)
+    assert 0 < resp.context_tokens <= 60
+    assert 0 < len(resp.hits) < 10
+    dropped = {lst.name: lst for lst in resp.trace.lists}["dropped"]
+    assert dropped.items and all(it.reason.startswith("over_token_budget") for it in dropped.items)
+
+
+@pytest.mark.parametrize("mode", [pb.DENSE, pb.LEXICAL, pb.HYBRID])
+def test_selective_metadata_filters_restrict_before_ranking_and_fill_the_page(stub, mode):
+    # product=beta and lang=de: i % 3 == 0 and i % 2 == 0 -> i % 6 == 0 -> 20 of 121 documents
+    filters = [pb.MetadataFilter(key="product", any_of=["beta"]),
+               pb.MetadataFilter(key="lang", any_of=["de"])]
+    resp = search(stub, text="wind tunnel report results", mode=mode, top_k=15, filters=filters)
+    assert len(resp.hits) == 15
+    for h in resp.hits:
+        assert h.metadata["product"] == "beta" and h.metadata["lang"] == "de"
+        assert int(h.doc_id[3:]) % 6 == 0
