@@ -1,4 +1,10 @@
-"""`search-server`: serve collections (embedded default: router and shards in one process)."""
+"""`search-server`: serve collections.
+
+  serve   the embedded default: router and shards in one process, over every published collection
+  shard   one shard of one build, over proto/shard.proto (a shard server of a distributed deployment)
+  router  query embedding, fan-out (hedged, over replica sets), fusion, rerank and assembly, in front
+          of shard servers listed in a topology file or with --replicas
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,19 +14,21 @@ import os
 from pathlib import Path
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="search-server", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve every published collection under --data-dir")
-    s.add_argument("--data-dir", type=Path, default=Path(os.environ.get("SEARCH_DATA_DIR", "data")),
-                   help="directory holding collections built by index-builder (default: ./data)")
+def _common(s: argparse.ArgumentParser, port: int) -> None:
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--port", type=int, default=port)
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port")
-    s.add_argument("--collection", action="append", default=None,
-                   help="serve only these collections (repeatable; default: all published)")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    s.add_argument("--log-level", default="INFO")
+
+
+def _data_dir(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--data-dir", type=Path, default=Path(os.environ.get("SEARCH_DATA_DIR", "data")),
+                   help="directory holding collections built by index-builder (default: ./data)")
+
+
+def _models(s: argparse.ArgumentParser) -> None:
     s.add_argument("--embedder", type=Path, default=None,
                    help="local model directory (default: the packaged all-MiniLM-L6-v2)")
     s.add_argument("--embedder-backend", choices=["torch", "onnx"], default="torch")
@@ -34,33 +42,114 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-max-wait-ms", type=float, default=2.0)
     s.add_argument("--tenant", default="default",
                    help="the tenant every caller belongs to when authentication is off")
-    s.add_argument("--log-level", default="INFO")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="search-server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="embedded default: router and shards in one process")
+    _common(s, 50051)
+    _data_dir(s)
+    _models(s)
+    s.add_argument("--collection", action="append", default=None,
+                   help="serve only these collections (repeatable; default: all published)")
+
+    sh = sub.add_parser("shard", help="serve one shard of a build to routers")
+    _common(sh, 50061)
+    _data_dir(sh)
+    sh.add_argument("--collection", required=True)
+    sh.add_argument("--shard", type=int, required=True, help="shard number within the build")
+    sh.add_argument("--build", default=None, help="build id (default: the collection's live build)")
+    f = sh.add_argument_group("fault injection (tests and load tests only; off by default)")
+    f.add_argument("--inject-delay-prob", type=float, default=0.0)
+    f.add_argument("--inject-delay-ms", type=float, default=0.0)
+    f.add_argument("--inject-fail-prob", type=float, default=0.0)
+    f.add_argument("--inject-hang-prob", type=float, default=0.0)
+    f.add_argument("--inject-seed", type=int, default=None)
+
+    r = sub.add_parser("router", help="front shard servers: embed, fan out with hedging, fuse, rerank")
+    _common(r, 50051)
+    _models(r)
+    r.add_argument("--topology", type=Path, default=None,
+                   help='JSON {"collection": NAME, "shards": [["host:port", ...], ...]}')
+    r.add_argument("--collection", default=None, help="with --replicas")
+    r.add_argument("--replicas", action="append", default=None,
+                   help="comma-separated replica addresses of one shard; repeat in shard order")
+    r.add_argument("--no-hedge", action="store_true", help="disable hedged requests")
+    r.add_argument("--hedge-min-ms", type=float, default=2.0)
+    r.add_argument("--hedge-max-ms", type=float, default=200.0)
+    r.add_argument("--hedge-budget", type=float, default=0.05,
+                   help="hedges allowed per request, on average (0.05 = 5%% extra requests)")
     return p
+
+
+def _make_core(args, data_dir, device):
+    from server.backends.models import CrossEncoder, Embedder
+    from server.core.search import SearchConfig, SearchCore
+
+    embedder = Embedder(args.embedder, device, args.embedder_backend)
+    reranker = CrossEncoder(args.reranker, device, args.reranker_backend) if args.reranker else None
+    config = SearchConfig(data_dir=data_dir, max_inflight=args.max_inflight,
+                          rerank_cap=args.rerank_cap, embed_max_batch=args.batch_max_size,
+                          embed_max_wait_ms=args.batch_max_wait_ms,
+                          rerank_max_batch=args.batch_max_size,
+                          rerank_max_wait_ms=args.batch_max_wait_ms,
+                          collections=getattr(args, "collection", None)
+                          if args.command == "serve" else None)
+    return SearchCore(config, embedder, reranker, device)
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from server.backends.device import Device
-    from server.backends.models import CrossEncoder, Embedder
-    from server.core.search import SearchConfig, SearchCore
-    from server.transport.app import serve_forever
+    from server.transport import app
     from server.transport.auth import AnonymousAuth
 
     device = Device(args.device)
     logging.getLogger(__name__).info("device: %s", device.describe())
-    embedder = Embedder(args.embedder, device, args.embedder_backend)
-    reranker = CrossEncoder(args.reranker, device, args.reranker_backend) if args.reranker else None
-    config = SearchConfig(data_dir=args.data_dir, max_inflight=args.max_inflight,
-                          rerank_cap=args.rerank_cap, embed_max_batch=args.batch_max_size,
-                          embed_max_wait_ms=args.batch_max_wait_ms,
-                          rerank_max_batch=args.batch_max_size,
-                          rerank_max_wait_ms=args.batch_max_wait_ms,
-                          collections=args.collection)
-    core = SearchCore(config, embedder, reranker, device)
+    if args.command == "shard":
+        from server.core.collection import CollectionStore
+        from server.core.faults import FaultSpec, FaultyShard
+        from server.core.shards import LocalShard
+
+        store = CollectionStore(args.data_dir)
+        build = args.build or store.live_build(args.collection)
+        desc = store.descriptor(args.collection, build)
+        if not 0 <= args.shard < desc.shards:
+            raise SystemExit(f"--shard must be within 0..{desc.shards - 1} for build {build}")
+        shard = LocalShard(desc, store.build_dir(args.collection, build), args.shard, device)
+        spec = FaultSpec(args.inject_delay_prob, args.inject_delay_ms, args.inject_fail_prob,
+                         args.inject_hang_prob, args.inject_seed)
+        asyncio.run(app.serve_shard_forever(FaultyShard(shard, spec) if spec.active else shard,
+                                            args.host, args.port, args.metrics_port))
+        return
+    if args.command == "router":
+        from server.core.replicas import HedgePolicy
+        from server.transport.router import connect_router, load_topology
+
+        if args.topology:
+            collection, replicas = load_topology(args.topology)
+        elif args.replicas and args.collection:
+            collection = args.collection
+            replicas = [[a.strip() for a in spec.split(",") if a.strip()] for spec in args.replicas]
+        else:
+            raise SystemExit("router needs --topology FILE, or --collection NAME with --replicas")
+        core = _make_core(args, Path("."), device)
+        policy = HedgePolicy(enabled=not args.no_hedge, hedge_min_ms=args.hedge_min_ms,
+                             hedge_max_ms=args.hedge_max_ms, hedge_budget=args.hedge_budget)
+
+        async def setup():
+            await connect_router(core, collection, replicas, policy)
+
+        asyncio.run(app.serve_forever(core, AnonymousAuth(args.tenant), args.host, args.port,
+                                      args.metrics_port, setup=setup))
+        return
+    core = _make_core(args, args.data_dir, device)
     core.load()
-    asyncio.run(serve_forever(core, AnonymousAuth(args.tenant), args.host, args.port,
-                              args.metrics_port))
+    asyncio.run(app.serve_forever(core, AnonymousAuth(args.tenant), args.host, args.port,
+                                  args.metrics_port))
 
 
 if __name__ == "__main__":

@@ -88,8 +88,8 @@ def small_collection(tmp_path_factory, tiny_embedder, cranfield_docs):
 class ServerThread:
     """A real grpc.aio server on 127.0.0.1 running its own event loop in a thread."""
 
-    def __init__(self, core, auth):
-        self.core, self.auth = core, auth
+    def __init__(self, core, auth, setup=None):
+        self.core, self.auth, self.setup = core, auth, setup
         self.loop = asyncio.new_event_loop()
         self.started = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -102,6 +102,8 @@ class ServerThread:
         asyncio.set_event_loop(self.loop)
 
         async def boot():
+            if self.setup is not None:
+                await self.setup()
             self.running = await start_server(self.core, self.auth, "127.0.0.1", 0)
             self.port = self.running.port
 
@@ -140,6 +142,65 @@ def start_core_server(data_dir, embedder=None, reranker=None, **config):
     core = SearchCore(SearchConfig(data_dir=data_dir, **config), embedder, reranker, Device("cpu"))
     core.load()
     return ServerThread(core, AnonymousAuth("default")).start()
+
+
+class ShardProcess:
+    """A real shard server process (`search-server shard`) on an ephemeral loopback port."""
+
+    def __init__(self, data_dir, collection, shard, *flags):
+        import re
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server.main", "shard", "--data-dir", str(data_dir),
+             "--collection", collection, "--shard", str(shard), "--port", "0", "--device", "cpu",
+             "--log-level", "WARNING", *flags],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines = []
+        for line in self.proc.stdout:  # the server prints its port once it is serving
+            self.lines.append(line)
+            m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+                break
+        else:
+            raise RuntimeError("shard server exited before serving:\n" + "".join(self.lines))
+        # keep draining its output so a chatty child never blocks on a full pipe
+        self.drain = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.drain.start()
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.kill()
+
+
+def start_router(embedder, collection, replicas, policy=None, **config):
+    """An in-process router (real gRPC server) over shard server processes."""
+    from server.backends.device import Device
+    from server.core.replicas import HedgePolicy
+    from server.core.search import SearchConfig, SearchCore
+    from server.transport.auth import AnonymousAuth
+    from server.transport.router import connect_router
+
+    core = SearchCore(SearchConfig(data_dir=REPO, **config), embedder, None, Device("cpu"))
+
+    async def setup():
+        await connect_router(core, collection, replicas, policy or HedgePolicy())
+
+    return ServerThread(core, AnonymousAuth("default"), setup).start()
 
 
 @pytest.fixture(scope="module")

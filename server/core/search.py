@@ -108,6 +108,14 @@ class SearchCore:
                  desc.shards, desc.chunks, desc.model_id)
         return loaded
 
+    def attach(self, loaded: LoadedCollection) -> None:
+        """Serve a collection whose shards were built elsewhere (a router over replica sets)."""
+        if [s.shard_no for s in loaded.shards] != list(range(loaded.desc.shards)):
+            raise FailedPrecondition(f"{loaded.name}: build {loaded.desc.build_id} has "
+                                     f"{loaded.desc.shards} shards; got {len(loaded.shards)}")
+        self.collections[loaded.name] = loaded
+        self.ready = True
+
     async def close(self) -> None:
         self.ready = False
         for b in (self.embed_batcher, self.rerank_batcher):
@@ -117,8 +125,10 @@ class SearchCore:
         for c in self.collections.values():
             for s in c.shards:
                 close = getattr(s, "close", None)
-                if close:
-                    close()
+                if close is not None:
+                    result = close()
+                    if asyncio.iscoroutine(result):
+                        await result
 
     # --- reads -------------------------------------------------------------------------------
     def collection(self, name: str) -> LoadedCollection:

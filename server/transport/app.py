@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from server.core import limits
 from server.core.search import SearchCore
-from server.rpc import search_pb2, search_pb2_grpc
+from server.rpc import search_pb2, search_pb2_grpc, shard_pb2, shard_pb2_grpc
 from server.transport.auth import Authenticator
 from server.transport.servicers import AdminServicer, SearchServicer
 
@@ -29,19 +29,27 @@ CHANNEL_OPTIONS = [
 ]
 
 
+SHARD_SERVICE = shard_pb2.DESCRIPTOR.services_by_name["ShardService"].full_name
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
-    core: SearchCore
+    core: object  # SearchCore, or the LocalShard of a shard server
+    services: tuple = SERVICES
 
     async def stop(self, grace: float = 5.0) -> None:
         """Flip health to NOT_SERVING, stop accepting, drain in-flight calls and batch queues."""
-        for name in ("",) + SERVICES:
+        for name in ("",) + self.services:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
-        await self.core.close()
+        close = getattr(self.core, "close", None)
+        if close is not None:
+            result = close()
+            if asyncio.iscoroutine(result):
+                await result
 
 
 async def start_server(core: SearchCore, auth: Authenticator, host: str = "127.0.0.1",
@@ -63,17 +71,26 @@ async def start_server(core: SearchCore, auth: Authenticator, host: str = "127.0
     return RunningServer(server, bound, health_servicer, core)
 
 
-async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: int,
-                        metrics_port: Optional[int], ready_message: bool = True) -> None:
-    if metrics_port is not None:
-        from prometheus_client import start_http_server
+async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+    """Serve one shard over proto/shard.proto, with health and reflection."""
+    from server.transport.shard_rpc import ShardServicer
 
-        start_http_server(metrics_port, addr=host)
-    running = await start_server(core, auth, host, port)
-    if ready_message:
-        print(f"search-server listening on {host}:{running.port}"
-              + (f", metrics on http://{host}:{metrics_port}/metrics" if metrics_port is not None else ""),
-              flush=True)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    shard_pb2_grpc.add_ShardServiceServicer_to_server(ShardServicer(shard), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SHARD_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                        server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in ("", SHARD_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, bound, health_servicer, shard, (SHARD_SERVICE,))
+
+
+async def wait_for_signal_then_stop(running: RunningServer) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -81,3 +98,32 @@ async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: 
     await stop.wait()
     log.info("shutting down: draining in-flight requests")
     await running.stop()
+
+
+def start_metrics(host: str, metrics_port: Optional[int]) -> str:
+    if metrics_port is None:
+        return ""
+    from prometheus_client import start_http_server
+
+    start_http_server(metrics_port, addr=host)
+    return f", metrics on http://{host}:{metrics_port}/metrics"
+
+
+async def serve_shard_forever(shard, host: str, port: int, metrics_port: Optional[int]) -> None:
+    note = start_metrics(host, metrics_port)
+    running = await start_shard_server(shard, host, port)
+    print(f"shard server (shard {shard.shard_no} of {shard.desc.collection}/{shard.desc.build_id}) "
+          f"listening on {host}:{running.port}{note}", flush=True)
+    await wait_for_signal_then_stop(running)
+
+
+async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: int,
+                        metrics_port: Optional[int], ready_message: bool = True,
+                        setup=None) -> None:
+    note = start_metrics(host, metrics_port)
+    if setup is not None:  # e.g. connecting a router to its shard replicas, inside the loop
+        await setup()
+    running = await start_server(core, auth, host, port)
+    if ready_message:
+        print(f"search-server listening on {host}:{running.port}{note}", flush=True)
+    await wait_for_signal_then_stop(running)

@@ -1,0 +1,62 @@
+"""Small helpers shared by the bench scripts: percentiles and a CPU-contention monitor.
+
+The monitor matters on a small shared machine: it reports how much CPU *other* processes used while
+a benchmark ran (from /proc/stat and this process's own CPU time), so a noisy number can be told
+apart from a slow code path.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+
+def pct(xs, q) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else float("nan")
+
+
+def _busy_jiffies() -> int | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    vals = [int(x) for x in fields]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    return sum(vals[:8]) - idle
+
+
+class CpuMonitor:
+    """with CpuMonitor() as m: ...; m.summary() -> 'other processes used X of N cores'."""
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        self.busy0 = _busy_jiffies()
+        self.own0 = sum(os.times()[:2])
+        self.load0 = os.getloadavg()[0]
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.t0
+        busy1 = _busy_jiffies()
+        self.own = sum(os.times()[:2]) - self.own0
+        hz = os.sysconf("SC_CLK_TCK")
+        self.busy = None if busy1 is None or self.busy0 is None else (busy1 - self.busy0) / hz
+        self.load1 = os.getloadavg()[0]
+        return False
+
+    @property
+    def other_cores(self) -> float | None:
+        """Average cores used by other processes during the block (never below 0)."""
+        if self.busy is None or self.wall <= 0:
+            return None
+        return max(0.0, (self.busy - self.own) / self.wall)
+
+    def summary(self) -> str:
+        other = self.other_cores
+        s = (f"wall {self.wall:.1f}s, this process {self.own / self.wall:.2f} cores, "
+             f"loadavg(1m) {self.load0:.2f}->{self.load1:.2f}")
+        if other is not None:
+            s += f", other processes {other:.2f} of {os.cpu_count()} cores"
+        return s

@@ -1,0 +1,301 @@
+"""Query-embedding throughput and latency through the MicroBatcher, batching ON vs OFF.
+
+What it measures
+  The real packaged all-MiniLM-L6-v2 (`server.backends.models.Embedder()`, torch, CPU unless
+  --device says otherwise) behind `server.core.batcher.MicroBatcher`, the same object the server's
+  embed stage uses. Two configurations differ only in `max_batch`:
+
+    ON   max_batch=64 (--on-max-batch), max_wait_ms=2, max_tokens=16384 (the server defaults)
+    OFF  max_batch=1: one device call per request, same MicroBatcher, same wait/token settings
+         (with max_batch=1 the wait never applies: a batch is full as soon as it opens)
+
+  Load is closed-loop: C asyncio tasks (C in --concurrency, default 1,8,32) each submit one query,
+  await its vector, and submit the next, until --requests requests (default 400 per cell) have been
+  answered. Query texts are the 225 Cranfield queries (queries.jsonl), shuffled with --seed and
+  cycled. A request's token count (its batcher cost) is computed before the clock starts, as the
+  server computes it before submitting. Each cell gets a fresh batcher and a short untimed warm-up.
+
+  Reported per cell: throughput (answered queries / wall seconds), p50/p99 latency (submit ->
+  vector), mean device-batch size, and padding efficiency (real tokens / padded tokens computed, since
+  a batch is padded to its longest query). Then the ON/OFF throughput ratio per concurrency and
+  p99(ON, C=max) / p50(OFF, C=1), the issue's goal being >= 3x throughput at C=32 with p99 under
+  2x the single-request latency.
+
+  Two diagnostic tables explain the result: the raw cost of one `Embedder.encode` call per batch
+  size (no batcher), and an open-loop run (Poisson arrivals at --open-loop-rates queries/s) that shows
+  the latency each configuration holds at a fixed offered load. Closed-loop latency at C clients is
+  C / throughput (Little's law), so at C=32 p99 < 2x single latency would need ~16x throughput;
+  the open-loop table is where the p99 half of the goal can be judged.
+
+  torch intra-op threads are set explicitly (--threads, default: the machine's core count) and
+  printed, both as seen by the main thread and inside the batcher's device thread. The "other cpu"
+  column is the average number of cores other processes used during that cell (from /proc/stat):
+  on a 2-core machine anything well above 0 means the cell's numbers are contended.
+
+Run (from the repository root):
+    .venv/bin/python bench/bench_batching.py
+    .venv/bin/python bench/bench_batching.py --requests 200 --concurrency 1,8,32 --threads 2
+    .venv/bin/python bench/bench_batching.py --extra-max-batch 8 --open-loop-rates ""   # skip open loop
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from bench._util import CpuMonitor, pct  # noqa: E402
+
+DEFAULT_DATASET = REPO.parent / "shared" / "datasets" / "cranfield"
+
+
+def load_queries(dataset: Path) -> list[str]:
+    with open(dataset / "queries.jsonl", encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f if line.strip()]
+
+
+class RecordingModel:
+    """The device function handed to the batcher: records each batch, then calls Embedder.encode.
+
+    Used identically for ON and OFF, so the only difference between them is max_batch."""
+
+    def __init__(self, embedder):
+        self.embedder = embedder
+        self.batches: list[list[str]] = []
+        self.device_threads = None
+
+    def __call__(self, texts):
+        if self.device_threads is None:
+            import torch
+
+            self.device_threads = torch.get_num_threads()
+        self.batches.append(list(texts))
+        return self.embedder.encode(texts)
+
+
+def padding_efficiency(embedder, batches) -> float:
+    real = padded = 0
+    for b in batches:
+        n = [min(t, embedder.max_length) for t in embedder.count_tokens(b)]
+        real += sum(n)
+        padded += max(n) * len(n)
+    return real / padded if padded else float("nan")
+
+
+async def closed_loop(embedder, texts, costs, concurrency, n_requests, max_batch, max_wait_ms,
+                      max_tokens) -> dict:
+    from server.core.batcher import MicroBatcher
+
+    model = RecordingModel(embedder)
+    batcher = MicroBatcher("bench-embed", model, max_batch=max_batch, max_tokens=max_tokens,
+                           max_wait_ms=max_wait_ms)
+    # untimed warm-up: starts the worker and device thread, one round at this concurrency
+    await asyncio.gather(*(batcher.submit(texts[i % len(texts)], costs[i % len(texts)])
+                           for i in range(concurrency)))
+    model.batches.clear()
+    batches_before = batcher.batches
+    latencies: list[float] = []
+    counter = iter(range(n_requests))
+
+    async def client():
+        for i in counter:
+            j = i % len(texts)
+            t0 = time.perf_counter()
+            await batcher.submit(texts[j], costs[j])
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    n_batches = batcher.batches - batches_before
+    await batcher.close()
+    return {"qps": len(latencies) / wall, "p50": pct(latencies, 50) * 1e3,
+            "p99": pct(latencies, 99) * 1e3, "mean_batch": len(latencies) / max(1, n_batches),
+            "pad_eff": padding_efficiency(embedder, model.batches),
+            "device_threads": model.device_threads, "n": len(latencies), "wall": wall}
+
+
+async def open_loop(embedder, texts, costs, rate, n_requests, max_batch, max_wait_ms, max_tokens,
+                    seed) -> dict:
+    """Poisson arrivals at `rate`/s regardless of completions; latency = arrival -> vector."""
+    from server.core.batcher import MicroBatcher
+
+    model = RecordingModel(embedder)
+    batcher = MicroBatcher("bench-embed", model, max_batch=max_batch, max_tokens=max_tokens,
+                           max_wait_ms=max_wait_ms)
+    await batcher.submit(texts[0], costs[0])  # warm-up
+    batches_before = batcher.batches
+    rng = random.Random(seed)
+    latencies: list[float] = []
+
+    async def one(j, t_arrival):
+        await batcher.submit(texts[j], costs[j])
+        latencies.append(time.perf_counter() - t_arrival)
+
+    tasks = []
+    start = time.perf_counter()
+    t_next = start
+    for i in range(n_requests):
+        t_next += rng.expovariate(rate)
+        delay = t_next - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i % len(texts), t_next)))
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
+    n_batches = batcher.batches - batches_before
+    await batcher.close()
+    return {"qps": len(latencies) / wall, "p50": pct(latencies, 50) * 1e3,
+            "p99": pct(latencies, 99) * 1e3, "mean_batch": len(latencies) / max(1, n_batches)}
+
+
+def fmt_other(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def device_call_table(embedder, texts, sizes, reps) -> list[tuple[int, float, float, float]]:
+    """(batch size, ms per call, ms per query, padding efficiency) of direct Embedder.encode calls."""
+    rows = []
+    for b in sizes:
+        times, batches = [], []
+        for r in range(reps):
+            start = (r * b) % max(1, len(texts) - b)
+            batch = texts[start:start + b]
+            t0 = time.perf_counter()
+            embedder.encode(batch)
+            times.append(time.perf_counter() - t0)
+            batches.append(batch)
+        ms = statistics.median(times) * 1e3
+        rows.append((b, ms, ms / b, padding_efficiency(embedder, batches)))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET,
+                   help="BEIR-layout dataset whose queries.jsonl supplies the texts")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated closed-loop client counts")
+    p.add_argument("--requests", type=int, default=400, help="timed requests per cell")
+    p.add_argument("--on-max-batch", type=int, default=64)
+    p.add_argument("--extra-max-batch", default="8",
+                   help="comma-separated extra ON rows with a smaller max_batch ('' for none)")
+    p.add_argument("--max-wait-ms", type=float, default=2.0)
+    p.add_argument("--max-tokens", type=int, default=16384, help="batcher token budget (server default)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="torch.set_num_threads value (default: core count)")
+    p.add_argument("--device", choices=["cpu", "auto", "cuda"], default="cpu")
+    p.add_argument("--open-loop-rates", default="40,80,120",
+                   help="comma-separated Poisson arrival rates (queries/s) for the open-loop table; '' skips")
+    p.add_argument("--open-loop-requests", type=int, default=300)
+    p.add_argument("--device-call-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from server.backends.device import Device
+    from server.backends.models import Embedder
+
+    torch.set_num_threads(args.threads)
+    embedder = Embedder(device=Device(args.device))
+    texts = load_queries(args.dataset)
+    random.Random(args.seed).shuffle(texts)
+    costs = [min(n, embedder.max_length) for n in embedder.count_tokens(texts)]
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    extra = [int(x) for x in args.extra_max_batch.split(",") if x.strip()]
+    rates = [float(x) for x in args.open_loop_rates.split(",") if x.strip()]
+
+    print(f"model: {embedder.model_id}  device: {embedder.device.torch_device}  "
+          f"cores: {os.cpu_count()}")
+    print(f"torch.set_num_threads({args.threads}) -> torch.get_num_threads() = "
+          f"{torch.get_num_threads()} (main thread), interop threads = {torch.get_num_interop_threads()}")
+    print(f"queries: {len(texts)} Cranfield texts, tokens p50/max = "
+          f"{int(np.percentile(costs, 50))}/{max(costs)}; {args.requests} timed requests per cell; "
+          f"max_wait_ms={args.max_wait_ms}, max_tokens={args.max_tokens}")
+
+    for _ in range(3):  # warm-up: allocator, kernels
+        embedder.encode(texts[:1])
+        embedder.encode(texts[:32])
+
+    sizes = [int(x) for x in args.device_call_sizes.split(",") if x.strip()]
+    with CpuMonitor() as mon:
+        table = device_call_table(embedder, texts, sizes, 5)
+    print(f"\nDevice-call cost (Embedder.encode directly, no batcher; median of 5 calls; "
+          f"other processes {fmt_other(mon.other_cores)} cores):")
+    print(f"{'batch':>6}{'ms/call':>10}{'ms/query':>10}{'queries/s':>11}{'pad eff':>9}")
+    for b, ms, msq, eff in table:
+        print(f"{b:>6}{ms:>10.1f}{msq:>10.2f}{1e3 / msq:>11.1f}{eff:>9.2f}")
+
+    configs = [("OFF", 1), ("ON", args.on_max_batch)] + [(f"ON mb={m}", m) for m in extra]
+    results: dict[tuple[str, int], dict] = {}
+    for c in levels:
+        for name, mb in configs:  # interleaved per level, so drift hits every config alike
+            with CpuMonitor() as mon:
+                r = asyncio.run(closed_loop(embedder, texts, costs, c, args.requests, mb,
+                                            args.max_wait_ms, args.max_tokens))
+            r["other"] = mon.other_cores
+            results[(name, c)] = r
+
+    dev_threads = {r["device_threads"] for r in results.values()}
+    print(f"\ntorch.get_num_threads() inside the batcher's device thread: {sorted(dev_threads)}")
+    print("\nClosed loop (C clients, each submits its next query when the previous one returns):")
+    header = (f"{'config':<12}{'max_batch':>10}{'C':>5}{'queries/s':>11}{'p50 ms':>9}{'p99 ms':>9}"
+              f"{'mean batch':>12}{'pad eff':>9}{'other cpu':>11}")
+    print(header)
+    print("-" * len(header))
+    for c in levels:
+        for name, mb in configs:
+            r = results[(name, c)]
+            print(f"{name:<12}{mb:>10}{c:>5}{r['qps']:>11.1f}{r['p50']:>9.1f}{r['p99']:>9.1f}"
+                  f"{r['mean_batch']:>12.1f}{r['pad_eff']:>9.2f}{fmt_other(r['other']):>11}")
+
+    print("\nThroughput ratio vs OFF at the same concurrency:")
+    print(f"{'C':>5}" + "".join(f"{name + '/OFF':>16}" for name, _ in configs[1:]))
+    for c in levels:
+        off = results[("OFF", c)]["qps"]
+        print(f"{c:>5}" + "".join(f"{results[(name, c)]['qps'] / off:>15.2f}x" for name, _ in configs[1:]))
+
+    cmax = max(levels)
+    if 1 in levels:
+        single = results[("OFF", 1)]["p50"]
+        print(f"\nsingle-request latency (p50, OFF, C=1): {single:.1f} ms")
+        for name, _ in configs[1:]:
+            r = results[(name, cmax)]
+            ratio = r["qps"] / results[("OFF", cmax)]["qps"]
+            print(f"{name:<10} C={cmax}: p99 {r['p99']:.1f} ms = {r['p99'] / single:.2f}x single "
+                  f"latency; throughput {ratio:.2f}x OFF   goal: >= 3x throughput and p99 < 2x single"
+                  f" -> throughput {'MET' if ratio >= 3 else 'NOT MET'}, p99 "
+                  f"{'MET' if r['p99'] < 2 * single else 'NOT MET'}")
+        print(f"(Little's law: closed-loop mean latency = C / throughput, so p99 < 2x single at "
+              f"C={cmax} needs >= {cmax / 2:.0f}x the single-request throughput)")
+
+    if rates:
+        print(f"\nOpen loop (Poisson arrivals, {args.open_loop_requests} requests per cell; latency = "
+              f"arrival -> vector):")
+        header = (f"{'config':<12}{'offered q/s':>12}{'served q/s':>12}{'p50 ms':>9}{'p99 ms':>10}"
+                  f"{'mean batch':>12}{'other cpu':>11}")
+        print(header)
+        print("-" * len(header))
+        for rate in rates:
+            for name, mb in configs:
+                with CpuMonitor() as mon:
+                    r = asyncio.run(open_loop(embedder, texts, costs, rate, args.open_loop_requests,
+                                              mb, args.max_wait_ms, args.max_tokens, args.seed))
+                print(f"{name:<12}{rate:>12.0f}{r['qps']:>12.1f}{r['p50']:>9.1f}{r['p99']:>10.1f}"
+                      f"{r['mean_batch']:>12.1f}{fmt_other(mon.other_cores):>11}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Shard servers as real processes on 127.0.0.1 behind a router: equivalence with the embedded
+default, replica death, hedging around a hung replica, deadlines, admission control, metrics."""
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from server.core.replicas import HedgePolicy
+from server.rpc import search_pb2 as pb
+from server.rpc import search_pb2_grpc as pb_grpc
+
+from conftest import ShardProcess, start_core_server, start_router
+
+QUERIES = ["boundary layer transition", "supersonic flow over a cone", "heat transfer to a wall",
+           "buckling of cylindrical shells", "slip flow", "wing flutter at transonic speed"]
+
+
+@pytest.fixture(scope="module")
+def three_shard_build(tmp_path_factory, tiny_embedder, cranfield_docs):
+    from index_builder.build import audit_build, build_collection
+    from server.core.collection import CollectionStore
+
+    data = tmp_path_factory.mktemp("cluster")
+    store = CollectionStore(data)
+    desc = build_collection(cranfield_docs[:300], store, "cran3", tiny_embedder, "Flat", shards=3,
+                            quiet=True)
+    audit_build(store, "cran3", desc.build_id)
+    store.publish("cran3", desc.build_id)
+    one = build_collection(cranfield_docs[:120], store, "cran1", tiny_embedder, "Flat", shards=1,
+                           quiet=True)
+    audit_build(store, "cran1", one.build_id)
+    store.publish("cran1", one.build_id)
+    return data
+
+
+@pytest.fixture(scope="module")
+def cluster(three_shard_build, tiny_embedder):
+    procs = [[ShardProcess(three_shard_build, "cran3", s) for _ in range(2)] for s in range(3)]
+    router = start_router(tiny_embedder, "cran3", [[p.address for p in reps] for reps in procs],
+                          HedgePolicy(hedge_min_ms=20, hedge_max_ms=200))
+    yield router, procs
+    router.stop()
+    for reps in procs:
+        for p in reps:
+            p.stop()
+
+
+def stub_for(address):
+    return pb_grpc.SearchServiceStub(grpc.insecure_channel(address))
+
+
+def hits(resp):
+    return [(h.chunk_id, round(h.score, 5)) for h in resp.hits]
+
+
+def test_three_shards_two_replicas_equal_the_single_process_result(cluster, three_shard_build,
+                                                                   tiny_embedder):
+    router, _ = cluster
+    embedded = start_core_server(three_shard_build, tiny_embedder, collections=["cran3"])
+    try:
+        remote, local = stub_for(router.address), stub_for(embedded.address)
+        for q in QUERIES:
+            for mode in (pb.DENSE, pb.LEXICAL, pb.HYBRID):
+                req = pb.SearchRequest(collection="cran3", text=q, top_k=20, mode=mode)
+                a, b = remote.Search(req, timeout=20), local.Search(req, timeout=20)
+                assert hits(a) == hits(b) and len(a.hits) == 20
+                assert [h.text for h in a.hits] == [h.text for h in b.hits]
+    finally:
+        embedded.stop()
+
+
+def test_metrics_are_exported_over_http_and_move(cluster):
+    from prometheus_client import start_http_server
+    import socket
+
+    router, _ = cluster
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start_http_server(port, addr="127.0.0.1")
+
+    def scrape():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        vals = {}
+        for line in text.splitlines():
+            if line.startswith(("search_stage_seconds_count", "search_shard_seconds_count",
+                                "search_requests_total")):
+                name, value = line.rsplit(" ", 1)
+                vals[name] = float(value)
+        return vals
+
+    before = scrape()
+    stub = stub_for(router.address)
+    for q in QUERIES:
+        stub.Search(pb.SearchRequest(collection="cran3", text=q, top_k=5), timeout=20)
+    after = scrape()
+    total = 'search_stage_seconds_count{stage="total"}'
+    assert after[total] - before.get(total, 0) >= len(QUERIES)
+    shard_keys = [k for k in after if k.startswith("search_shard_seconds_count")]
+    assert len(shard_keys) >= 3  # every shard observed, labelled by replica
+    ok = 'search_requests_total{code="OK",method="Search"}'
+    assert after[ok] - before.get(ok, 0) >= len(QUERIES)
+
+
+def test_latency_buckets_are_fine_enough_to_separate_p99_from_p999():
+    from server.core.metrics import LATENCY_BUCKETS
+
+    ratios = [b / a for a, b in zip(LATENCY_BUCKETS, LATENCY_BUCKETS[1:])]
+    assert max(ratios) <= 1.26  # neighbouring buckets differ by at most ~25%
+    assert LATENCY_BUCKETS[0] <= 1e-4 and LATENCY_BUCKETS[-1] >= 30
+
+
+def test_killing_a_replica_mid_run_loses_no_request(cluster):
+    router, procs = cluster
+    stub = stub_for(router.address)
+    done, errors = [], []
+    killed = threading.Event()
+
+    def load():
+        for i in range(60):
+            if i == 20:
+                procs[1][0].kill()  # SIGKILL one replica of shard 1 while requests flow
+                killed.set()
+            try:
+                r = stub.Search(pb.SearchRequest(collection="cran3", text=QUERIES[i % len(QUERIES)],
+                                                 top_k=10), timeout=20)
+                done.append(len(r.hits))
+            except grpc.RpcError as err:
+                errors.append(f"{err.code().name}: {err.details()}")
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert killed.is_set()
+    assert errors == []
+    assert len(done) == 180 and all(n == 10 for n in done)
+
+
+@pytest.fixture
+def faulty_pair(three_shard_build):
+    procs = []
+
+    def make(*flags_a, flags_b=()):
+        a = ShardProcess(three_shard_build, "cran1", 0, *flags_a)
+        b = ShardProcess(three_shard_build, "cran1", 0, *flags_b)
+        procs.extend([a, b])
+        return a, b
+
+    yield make
+    for p in procs:
+        p.stop()
+
+
+def test_a_hung_replica_is_hedged_around_within_the_deadline(faulty_pair, tiny_embedder):
+    hung, healthy = faulty_pair("--inject-hang-prob", "1.0")
+    router = start_router(tiny_embedder, "cran1", [[hung.address, healthy.address]],
+                          HedgePolicy(hedge_min_ms=20, hedge_max_ms=50, hedge_budget=1.0))
+    try:
+        stub = stub_for(router.address)
+        latencies = []
+        for q in QUERIES * 3:
+            t0 = time.perf_counter()
+            resp = stub.Search(pb.SearchRequest(collection="cran1", text=q, top_k=5), timeout=3)
+            latencies.append(time.perf_counter() - t0)
+            assert len(resp.hits) == 5
+        replica_set = router.core.collections["cran1"].shards[0]
+        assert replica_set.stats["hedges"] >= 1
+        assert replica_set.stats["hedges_won"] >= 1
+        assert max(latencies) < 2.0  # hedged after <= 50 ms, never waited for the hung replica
+    finally:
+        router.stop()
+
+
+def test_an_expired_deadline_returns_deadline_exceeded_promptly(faulty_pair, tiny_embedder):
+    slow_a, slow_b = faulty_pair("--inject-delay-prob", "1.0", "--inject-delay-ms", "3000",
+                                 flags_b=("--inject-delay-prob", "1.0", "--inject-delay-ms", "3000"))
+    router = start_router(tiny_embedder, "cran1", [[slow_a.address, slow_b.address]])
+    try:
+        stub = stub_for(router.address)
+        t0 = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Search(pb.SearchRequest(collection="cran1", text="slip flow", top_k=5), timeout=0.4)
+        elapsed = time.perf_counter() - t0
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert elapsed < 1.5
+    finally:
+        router.stop()
+
+
+def test_overload_is_shed_with_resource_exhausted(faulty_pair, tiny_embedder):
+    slow_a, slow_b = faulty_pair("--inject-delay-prob", "1.0", "--inject-delay-ms", "400",
+                                 flags_b=("--inject-delay-prob", "1.0", "--inject-delay-ms", "400"))
+    router = start_router(tiny_embedder, "cran1", [[slow_a.address, slow_b.address]],
+                          HedgePolicy(enabled=False), max_inflight=2)
+    try:
+        stub = stub_for(router.address)
+        codes = []
+        lock = threading.Lock()
+        start = threading.Barrier(8)
+
+        def one():
+            start.wait()
+            try:
+                stub.Search(pb.SearchRequest(collection="cran1", text="slip flow", top_k=5), timeout=10)
+                code = "OK"
+            except grpc.RpcError as err:
+                code = err.code().name
+            with lock:
+                codes.append(code)
+
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert codes.count("RESOURCE_EXHAUSTED") >= 1
+        assert codes.count("OK") >= 1
+        assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
+    finally:
+        router.stop()
+
+
+def test_failing_replica_is_retried_on_the_next_one(faulty_pair, tiny_embedder):
+    failing, healthy = faulty_pair("--inject-fail-prob", "1.0")
+    router = start_router(tiny_embedder, "cran1", [[failing.address, healthy.address]],
+                          HedgePolicy(enabled=False))
+    try:
+        stub = stub_for(router.address)
+        for q in QUERIES:
+            assert len(stub.Search(pb.SearchRequest(collection="cran1", text=q, top_k=5),
+                                   timeout=10).hits) == 5
+        assert router.core.collections["cran1"].shards[0].stats["retries"] >= 1
+    finally:
+        router.stop()
+
+
+def test_partial_results_only_when_the_request_allows_them(three_shard_build, tiny_embedder):
+    procs = [ShardProcess(three_shard_build, "cran3", 0), ShardProcess(three_shard_build, "cran3", 1),
+             ShardProcess(three_shard_build, "cran3", 2, "--inject-fail-prob", "1.0")]
+    router = start_router(tiny_embedder, "cran3", [[p.address] for p in procs])
+    try:
+        stub = stub_for(router.address)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Search(pb.SearchRequest(collection="cran3", text="slip flow", top_k=5), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "1 of 3 shards failed" in err.value.details()
+        resp = stub.Search(pb.SearchRequest(collection="cran3", text="slip flow", top_k=5,
+                                            allow_partial=True), timeout=10)
+        assert resp.partial and len(resp.shard_errors) == 1 and "shard 2" in resp.shard_errors[0]
+        assert len(resp.hits) == 5 and all(h.shard in (0, 1) for h in resp.hits)
+    finally:
+        router.stop()
+        for p in procs:
+            p.stop()
