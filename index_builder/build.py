@@ -20,10 +20,10 @@ from tqdm import tqdm
 
 from index_builder.corpus import Document
 from server.backends.dense import DenseIndex, build_dense, make_index, training_size
-from server.backends.docstore import ChunkRecord, DocStore
+from server.backends.docstore import PUBLIC_ACL, ChunkRecord, DocStore
 from server.backends.lexical import ANALYZER_VERSION, LexicalIndex
 from server.core.chunking import CHUNKER_VERSION, chunk_id, chunk_text, shard_of
-from server.core.collection import CollectionStore, ReleaseDescriptor, check_name
+from server.core.collection import NAME, CollectionStore, ReleaseDescriptor, check_name
 from server.core.shards import shard_dir_name
 
 DEFAULT_FACTORY = "Flat"
@@ -52,7 +52,10 @@ def _progress(total: int, desc: str, quiet: bool):
 def build_collection(docs: Iterable[Document], store: CollectionStore, collection: str, embedder,
                      factory: str = DEFAULT_FACTORY, shards: int = 1, metric: str = "ip",
                      search_defaults: Optional[dict] = None, build_id: Optional[str] = None,
-                     quiet: bool = False, seed: int = 1234) -> ReleaseDescriptor:
+                     quiet: bool = False, seed: int = 1234,
+                     dedicated_tenant_min_chunks: Optional[int] = None) -> ReleaseDescriptor:
+    """Build a new immutable build of `collection`. Tenants owning at least
+    `dedicated_tenant_min_chunks` chunks of a shard also get their own dense index there."""
     check_name(collection)
     if shards < 1:
         raise ValueError("shards must be >= 1")
@@ -66,14 +69,28 @@ def build_collection(docs: Iterable[Document], store: CollectionStore, collectio
     tmp_dir.mkdir(parents=True)
     try:
         return _build(docs, store, collection, embedder, factory, shards, metric,
-                      search_defaults or {}, build_id, tmp_dir, final_dir, quiet, seed)
+                      search_defaults or {}, build_id, tmp_dir, final_dir, quiet, seed,
+                      dedicated_tenant_min_chunks)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
 
 
+def _check_doc(doc: Document) -> None:
+    if not NAME.match(doc.tenant):
+        raise ValueError(f"document {doc.doc_id!r}: tenant {doc.tenant[:80]!r} must match {NAME.pattern}")
+    for scope in doc.acl:
+        if not NAME.match(scope):
+            raise ValueError(f"document {doc.doc_id!r}: ACL scope {scope[:80]!r} must match {NAME.pattern}")
+
+
+def _train_sample(x: np.ndarray, factory: str, dim: int, metric: str, rng) -> np.ndarray:
+    want = training_size(make_index(factory, dim, metric))
+    return x[rng.choice(len(x), size=min(want, len(x)), replace=False)] if want else x[:0]
+
+
 def _build(docs, store, collection, embedder, factory, shards, metric, search_defaults, build_id,
-           tmp_dir, final_dir, quiet, seed) -> ReleaseDescriptor:
+           tmp_dir, final_dir, quiet, seed, dedicated_min) -> ReleaseDescriptor:
     # 1. chunk (and fingerprint the corpus: corpus_version is a content hash)
     corpus_hash = hashlib.sha256(CHUNKER_VERSION.encode())
     chunks: list[PendingChunk] = []
@@ -83,8 +100,9 @@ def _build(docs, store, collection, embedder, factory, shards, metric, search_de
         if doc.doc_id in seen_docs:
             raise ValueError(f"duplicate document id {doc.doc_id!r} in the corpus")
         seen_docs.add(doc.doc_id)
+        _check_doc(doc)
         documents.append(doc)
-        corpus_hash.update(json.dumps([doc.doc_id, doc.title, doc.text, doc.tenant,
+        corpus_hash.update(json.dumps([doc.doc_id, doc.title, doc.text, doc.tenant, sorted(doc.acl),
                                        sorted(doc.metadata.items())]).encode())
         s = shard_of(doc.doc_id, shards)
         for c in chunk_text(doc.text):
@@ -102,15 +120,14 @@ def _build(docs, store, collection, embedder, factory, shards, metric, search_de
 
     # 3. per shard: train, add in blocks, write dense + lexical + chunk store
     rng = np.random.default_rng(seed)
-    shard_files, shard_counts, tenants = {}, {}, {}
+    shard_files, shard_counts, tenants, dedicated = {}, {}, {}, {}
     for s in range(shards):
         name = shard_dir_name(s)
         sdir = tmp_dir / name
         sdir.mkdir()
         members = [i for i, c in enumerate(chunks) if c.shard == s]
         x = vectors[members]
-        want = training_size(make_index(factory, dim, metric))
-        sample = x[rng.choice(len(x), size=min(want, len(x)), replace=False)] if want else x[:0]
+        sample = _train_sample(x, factory, dim, metric, rng)
         row_ids = np.array([chunks[i].chunk_id for i in members], dtype=np.int64)
         with _progress(len(members), f"add shard {s}", quiet) as bar:
             dense = build_dense(factory, dim, metric, lambda: x, sample, row_ids, progress=bar.update)
@@ -119,7 +136,8 @@ def _build(docs, store, collection, embedder, factory, shards, metric, search_de
         store_ = DocStore(sdir / "docstore.sqlite", create=True)
         records = [ChunkRecord(row, chunks[i].chunk_id, chunks[i].doc.doc_id, chunks[i].index,
                                chunks[i].start, chunks[i].end, chunks[i].doc.title, chunks[i].text,
-                               chunks[i].doc.tenant, chunks[i].doc.metadata)
+                               chunks[i].doc.tenant, chunks[i].doc.metadata,
+                               tuple(chunks[i].doc.acl) or (PUBLIC_ACL,))
                    for row, i in enumerate(members)]
         store_.insert_chunks(records)
         shard_docs = {}
@@ -134,8 +152,20 @@ def _build(docs, store, collection, embedder, factory, shards, metric, search_de
         store_.close()
         lexical = LexicalIndex.create(sdir / "lexical")
         with _progress(len(records), f"bm25 shard {s}", quiet) as bar:
-            lexical.add((r.row, r.title, r.text, r.tenant, r.metadata) for r in records)
+            lexical.add((r.row, r.title, r.text, r.tenant, r.metadata, r.acl) for r in records)
             bar.update(len(records))
+        # tenants above the threshold: their own dense index (rows map to this shard's rows)
+        for tenant, count in sorted(counts_by_tenant(records).items()):
+            if dedicated_min is None or count < dedicated_min:
+                continue
+            rows = np.array([r.row for r in records if r.tenant == tenant], dtype=np.int64)
+            tx = x[rows]
+            tfactory = factory if len(tx) >= training_size(make_index(factory, dim, metric)) else "Flat"
+            tdense = build_dense(tfactory, dim, metric, lambda: tx,
+                                 _train_sample(tx, tfactory, dim, metric, rng), rows)
+            tfiles = tdense.write(sdir / "tenants" / tenant)
+            files[f"tenants/{tenant}"] = tfiles
+            dedicated.setdefault(name, []).append(tenant)
         shard_files[name] = files
         shard_counts[name] = counts
 
@@ -145,10 +175,17 @@ def _build(docs, store, collection, embedder, factory, shards, metric, search_de
         lexical_analyzer=ANALYZER_VERSION, factory=factory, shards=shards,
         corpus_version=corpus_version, documents=len(documents), chunks=len(chunks),
         created_at=time.time(), shard_files=shard_files, shard_counts=shard_counts,
-        tenants=tenants, search_defaults=search_defaults)
+        tenants=tenants, search_defaults=search_defaults, dedicated_tenants=dedicated)
     (tmp_dir / "release.json").write_text(desc.to_json())
     os.rename(tmp_dir, final_dir)
     return desc
+
+
+def counts_by_tenant(records) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        out[r.tenant] = out.get(r.tenant, 0) + 1
+    return out
 
 
 def audit_build(store: CollectionStore, collection: str, build_id: str, k: int = 10,

@@ -5,6 +5,7 @@
     index-builder publish --collection NAME --build ID
     index-builder list    [--collection NAME]
     index-builder eval    --dataset DIR --collection NAME --address HOST:PORT
+    index-builder canary-check --collection NAME --credentials creds.json --sentinel S
     index-builder demo-corpus --out FILE
 """
 from __future__ import annotations
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--k-factor", type=int, default=4, help="refine shortlist factor for ...,RFlat")
     b.add_argument("--limit", type=int, default=None, help="index only the first N documents")
     b.add_argument("--tenant", default="default", help="tenant of documents that name none")
+    b.add_argument("--dedicated-tenant-min-chunks", type=int, default=None,
+                   help="tenants owning at least this many chunks of a shard get their own index")
     b.add_argument("--embedder", type=Path, default=None,
                    help="local model directory (default: the packaged all-MiniLM-L6-v2)")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -80,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--rerank-depth", type=int, default=50)
     ev.add_argument("--out", type=Path, default=None, help="directory for per-query results")
 
+    cc = sub.add_parser("canary-check", help="query as every other tenant; fail if a canary sentinel appears")
+    cc.add_argument("--address", default="127.0.0.1:50051")
+    cc.add_argument("--collection", required=True)
+    cc.add_argument("--credentials", type=Path, required=True,
+                    help='JSON list of {"tenant": ..., "token": ...} for the non-canary tenants')
+    cc.add_argument("--sentinel", action="append", required=True, help="a sentinel string (repeatable)")
+
     dc = sub.add_parser("demo-corpus", help="write a corpus of Python standard-library docstrings")
     dc.add_argument("--out", type=Path, required=True)
     dc.add_argument("--limit", type=int, default=None)
@@ -103,7 +113,8 @@ def cmd_build(args) -> int:
     desc = build_collection(docs, store, args.collection, embedder, args.factory, args.shards,
                             args.metric, {"nprobe": args.nprobe, "ef_search": args.ef_search,
                                           "k_factor": args.k_factor},
-                            args.build_id, quiet=args.quiet)
+                            args.build_id, quiet=args.quiet,
+                            dedicated_tenant_min_chunks=args.dedicated_tenant_min_chunks)
     print(f"built {args.collection}/{desc.build_id}: {desc.documents} documents, {desc.chunks} "
           f"chunks, {desc.shards} shard(s), factory {desc.factory}, model {desc.model_id}")
     if args.audit or args.publish:
@@ -174,6 +185,12 @@ def cmd_demo_corpus(args) -> int:
     return 0
 
 
+def cmd_canary(args) -> int:
+    from index_builder.canary import main as canary_main
+
+    return canary_main(args)
+
+
 def cmd_eval(args) -> int:
     from index_builder.evaluate import run_eval
 
@@ -181,7 +198,7 @@ def cmd_eval(args) -> int:
 
 
 COMMANDS = {"build": cmd_build, "audit": cmd_audit, "publish": cmd_publish, "list": cmd_list,
-            "demo-corpus": cmd_demo_corpus, "eval": cmd_eval}
+            "demo-corpus": cmd_demo_corpus, "eval": cmd_eval, "canary-check": cmd_canary}
 
 
 def main(argv=None) -> None:

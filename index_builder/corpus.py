@@ -1,5 +1,5 @@
 """Corpus readers: BEIR `corpus.jsonl` ({_id, title, text}) or JSONL of {id, text, title?, metadata?,
-tenant?}; and the demo corpus built from the Python standard library's own docstrings."""
+tenant?, acl?}; and the demo corpus built from the Python standard library's own docstrings."""
 from __future__ import annotations
 
 import importlib
@@ -17,6 +17,7 @@ class Document:
     title: str = ""
     metadata: dict = field(default_factory=dict)
     tenant: str = "default"
+    acl: tuple = ()  # scopes allowed to read it; empty = every caller of its tenant
 
 
 def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Document]:
@@ -36,9 +37,12 @@ def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Documen
                 meta = obj.get("metadata") or {}
                 if not isinstance(meta, dict):
                     raise ValueError("metadata must be an object")
+                acl = obj.get("acl") or []
+                if not isinstance(acl, list):
+                    raise ValueError("acl must be a list of scope names")
                 yield Document(str(doc_id), str(obj["text"]), str(obj.get("title") or ""),
                                {str(k): str(v) for k, v in meta.items()},
-                               str(obj.get("tenant") or default_tenant))
+                               str(obj.get("tenant") or default_tenant), tuple(str(a) for a in acl))
             except ValueError as exc:
                 raise ValueError(f"{path}:{lineno}: {exc}") from None
 

@@ -21,6 +21,11 @@ def _common(s: argparse.ArgumentParser, port: int) -> None:
                    help="serve Prometheus metrics over HTTP on this port")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     s.add_argument("--log-level", default="INFO")
+    t = s.add_argument_group("TLS")
+    t.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve TLS")
+    t.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    t.add_argument("--tls-client-ca", type=Path, default=None,
+                   help="require client certificates signed by this CA (mutual TLS)")
 
 
 def _data_dir(s: argparse.ArgumentParser) -> None:
@@ -42,6 +47,9 @@ def _models(s: argparse.ArgumentParser) -> None:
     s.add_argument("--batch-max-wait-ms", type=float, default=2.0)
     s.add_argument("--tenant", default="default",
                    help="the tenant every caller belongs to when authentication is off")
+    s.add_argument("--auth-tokens", type=Path, default=None,
+                   help="JSON token file (see server/transport/auth.py): callers must present "
+                        "'authorization: Bearer <token>'; their tenant and ACL scopes come from it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--hedge-max-ms", type=float, default=200.0)
     r.add_argument("--hedge-budget", type=float, default=0.05,
                    help="hedges allowed per request, on average (0.05 = 5%% extra requests)")
+    r.add_argument("--shard-tls-ca", type=Path, default=None,
+                   help="reach shards over TLS, trusting this CA")
+    r.add_argument("--shard-tls-cert", type=Path, default=None, help="client certificate for mTLS")
+    r.add_argument("--shard-tls-key", type=Path, default=None)
     return p
 
 
@@ -109,6 +121,14 @@ def main(argv=None) -> None:
 
     device = Device(args.device)
     logging.getLogger(__name__).info("device: %s", device.describe())
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    tls = app.TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    auth = None
+    if args.command != "shard":
+        from server.transport.auth import TokenFileAuth
+
+        auth = TokenFileAuth(args.auth_tokens) if args.auth_tokens else AnonymousAuth(args.tenant)
     if args.command == "shard":
         from server.core.collection import CollectionStore
         from server.core.faults import FaultSpec, FaultyShard
@@ -123,7 +143,7 @@ def main(argv=None) -> None:
         spec = FaultSpec(args.inject_delay_prob, args.inject_delay_ms, args.inject_fail_prob,
                          args.inject_hang_prob, args.inject_seed)
         asyncio.run(app.serve_shard_forever(FaultyShard(shard, spec) if spec.active else shard,
-                                            args.host, args.port, args.metrics_port))
+                                            args.host, args.port, args.metrics_port, tls))
         return
     if args.command == "router":
         from server.core.replicas import HedgePolicy
@@ -140,16 +160,24 @@ def main(argv=None) -> None:
         policy = HedgePolicy(enabled=not args.no_hedge, hedge_min_ms=args.hedge_min_ms,
                              hedge_max_ms=args.hedge_max_ms, hedge_budget=args.hedge_budget)
 
-        async def setup():
-            await connect_router(core, collection, replicas, policy)
+        credentials = None
+        if args.shard_tls_ca:
+            import grpc
 
-        asyncio.run(app.serve_forever(core, AnonymousAuth(args.tenant), args.host, args.port,
-                                      args.metrics_port, setup=setup))
+            credentials = grpc.ssl_channel_credentials(
+                args.shard_tls_ca.read_bytes(),
+                args.shard_tls_key.read_bytes() if args.shard_tls_key else None,
+                args.shard_tls_cert.read_bytes() if args.shard_tls_cert else None)
+
+        async def setup():
+            await connect_router(core, collection, replicas, policy, credentials=credentials)
+
+        asyncio.run(app.serve_forever(core, auth, args.host, args.port, args.metrics_port,
+                                      setup=setup, tls=tls))
         return
     core = _make_core(args, args.data_dir, device)
     core.load()
-    asyncio.run(app.serve_forever(core, AnonymousAuth(args.tenant), args.host, args.port,
-                                  args.metrics_port))
+    asyncio.run(app.serve_forever(core, auth, args.host, args.port, args.metrics_port, tls=tls))
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.port = None
         self.error = None
+        self.tls = None
 
     def _run(self):
         from server.transport.app import start_server
@@ -104,7 +105,7 @@ class ServerThread:
         async def boot():
             if self.setup is not None:
                 await self.setup()
-            self.running = await start_server(self.core, self.auth, "127.0.0.1", 0)
+            self.running = await start_server(self.core, self.auth, "127.0.0.1", 0, self.tls)
             self.port = self.running.port
 
         try:

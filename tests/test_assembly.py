@@ -35,3 +35,15 @@ def test_stops_at_top_k_and_keeps_offsets():
     selected, _, _ = assemble(hits, top_k=2, tenant="default")
     assert [h.candidate.record.start_offset for h in selected] == [10, 10]
     assert len(selected) == 2
+
+
+def test_token_budget_with_no_candidates_returns_nothing():
+    """Regression: a budgeted query with no candidates crashed the tokenizer on an empty batch
+    (found by tests/test_fuzz.py)."""
+    from server.backends.models import Embedder  # noqa: F401  (the real count_tokens path below)
+
+    def count(texts):
+        assert texts, "must not be called with an empty batch"
+        return [1 for _ in texts]
+
+    assert assemble([], top_k=5, tenant="default", token_budget=10, count_tokens=count) == ([], [], 0)

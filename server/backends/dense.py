@@ -188,6 +188,33 @@ class RowFilter:
         self.count = int(mask.sum())
         self._bits = np.packbits(mask, bitorder="little")  # faiss reads bit i of byte i>>3
         self.selector = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(self._bits))
+        self._rows: Optional[np.ndarray] = None
+
+    @property
+    def rows(self) -> np.ndarray:
+        if self._rows is None:
+            self._rows = np.flatnonzero(self.mask)
+        return self._rows
+
+
+def exact_search(vectors: np.ndarray, rows: np.ndarray, query: np.ndarray, k: int,
+                 metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """Brute force over the given rows only: exact, and a full page whenever k rows are allowed.
+
+    Used for small allowed sets (tiny tenants, selective filters), where graph or inverted-list
+    search with a selector can miss results, and where a scan of the few rows is cheaper anyway.
+    """
+    if len(rows) == 0:
+        return np.zeros(0, np.float32), np.zeros(0, np.int64)
+    block = np.asarray(vectors[rows], dtype=np.float32)
+    if metric == "l2":
+        scores = -((block - query[None, :]) ** 2).sum(1)
+    else:
+        scores = block @ query
+    k = min(k, len(rows))
+    top = np.argpartition(-scores, k - 1)[:k]
+    top = top[np.argsort(-scores[top], kind="stable")]
+    return scores[top].astype(np.float32), rows[top].astype(np.int64)
 
 
 def build_dense(factory: str, dim: int, metric: str, vectors: Callable[[], "np.ndarray"],

@@ -1,7 +1,9 @@
-"""The shard's chunk store in SQLite (WAL): text, offsets, tenant, metadata and liveness per row.
+"""The shard's chunk store in SQLite (WAL): text, offsets, tenant, ACL, metadata and liveness per row.
 
 It is the authority for which rows are visible: the dense branch searches only rows whose bit is set
-in a mask computed here (tenant, metadata filters, live), and every hit is re-checked against it.
+in a mask computed here (live, tenant, ACL scopes, metadata filters), and every hit is re-checked
+against it. A chunk's ACL is a list of scopes; PUBLIC_ACL marks a chunk every caller of its tenant
+may read. A caller sees a chunk when the ACL shares a scope with the caller's scopes + PUBLIC_ACL.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ CREATE TABLE IF NOT EXISTS chunks (
     title        TEXT    NOT NULL DEFAULT '',
     text         TEXT    NOT NULL,
     tenant       TEXT    NOT NULL,
+    acl          TEXT    NOT NULL DEFAULT '["@all"]',  -- JSON list of scopes
     metadata     TEXT    NOT NULL DEFAULT '{}',
     live         INTEGER NOT NULL DEFAULT 1
 );
@@ -43,6 +46,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 FILTER_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+PUBLIC_ACL = "@all"
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class ChunkRecord:
     text: str
     tenant: str
     metadata: dict
+    acl: tuple = (PUBLIC_ACL,)
 
 
 def check_filter_key(key: str) -> str:
@@ -97,9 +102,10 @@ class DocStore:
         try:
             conn.executemany(
                 "INSERT INTO chunks(row, chunk_id, doc_id, chunk_index, start_offset, end_offset, "
-                "title, text, tenant, metadata, live) VALUES (?,?,?,?,?,?,?,?,?,?,1)",
+                "title, text, tenant, acl, metadata, live) VALUES (?,?,?,?,?,?,?,?,?,?,?,1)",
                 [(r.row, r.chunk_id, r.doc_id, r.chunk_index, r.start_offset, r.end_offset, r.title,
-                  r.text, r.tenant, json.dumps(r.metadata, sort_keys=True)) for r in records])
+                  r.text, r.tenant, json.dumps(sorted(r.acl)), json.dumps(r.metadata, sort_keys=True))
+                 for r in records])
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
@@ -131,17 +137,36 @@ class DocStore:
         return dict(self._conn().execute(
             "SELECT tenant, count(*) FROM chunks WHERE live=1 GROUP BY tenant").fetchall())
 
-    def allowed_mask(self, nrows: int, tenant: Optional[str],
-                     filters: Sequence[tuple[str, Sequence[str]]] = ()) -> np.ndarray:
-        """Boolean mask over rows: live, owned by `tenant` (None = any), passing every filter."""
+    def restricted_acl_rows(self) -> dict[str, int]:
+        """Per tenant, how many live rows are not tenant-public (their ACL needs a scope)."""
+        return dict(self._conn().execute(
+            "SELECT tenant, count(*) FROM chunks WHERE live=1 AND acl != ? GROUP BY tenant",
+            (json.dumps([PUBLIC_ACL]),)).fetchall())
+
+    def allowed_mask(self, nrows: int, tenant: Optional[str], filters: Sequence = (),
+                     acl_scopes: Optional[Sequence[str]] = None) -> np.ndarray:
+        """Boolean mask over rows: live, owned by `tenant` (None = any), readable with `acl_scopes`
+        (None = no ACL check), passing every filter (objects with key, any_of, gte, lte)."""
         where, args = ["live=1"], []
         if tenant is not None:
             where.append("tenant=?")
             args.append(tenant)
-        for key, values in filters:
-            check_filter_key(key)
-            where.append(f"json_extract(metadata, '$.\"{key}\"') IN ({','.join('?' * len(values))})")
-            args.extend(values)
+        if acl_scopes is not None:
+            scopes = sorted(set(acl_scopes) | {PUBLIC_ACL})
+            where.append(f"EXISTS (SELECT 1 FROM json_each(chunks.acl) "
+                         f"WHERE json_each.value IN ({','.join('?' * len(scopes))}))")
+            args.extend(scopes)
+        for f in filters:
+            path = f"json_extract(metadata, '$.\"{check_filter_key(f.key)}\"')"
+            if f.any_of:
+                where.append(f"{path} IN ({','.join('?' * len(f.any_of))})")
+                args.extend(f.any_of)
+            if f.gte is not None:
+                where.append(f"{path} >= ?")
+                args.append(f.gte)
+            if f.lte is not None:
+                where.append(f"{path} <= ?")
+                args.append(f.lte)
         rows = self._conn().execute(f"SELECT row FROM chunks WHERE {' AND '.join(where)}", args)
         mask = np.zeros(nrows, dtype=bool)
         idx = np.fromiter((r[0] for r in rows), dtype=np.int64)
@@ -153,10 +178,10 @@ class DocStore:
             return {}
         out = {}
         q = ("SELECT row, chunk_id, doc_id, chunk_index, start_offset, end_offset, title, text, "
-             f"tenant, metadata FROM chunks WHERE row IN ({','.join('?' * len(rows))})")
+             f"tenant, metadata, acl FROM chunks WHERE row IN ({','.join('?' * len(rows))})")
         for r in self._conn().execute(q, [int(x) for x in rows]):
             out[r[0]] = ChunkRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8],
-                                    json.loads(r[9]))
+                                    json.loads(r[9]), tuple(json.loads(r[10])))
         return out
 
     def close(self) -> None:

@@ -6,8 +6,8 @@ tokens over 40 chars dropped, lowercase, English stopwords removed, Snowball Eng
 Queries go through the same analyzer and become a disjunction of term queries over title and text;
 no query syntax is parsed, so user text can never change the query's structure.
 
-Restriction happens inside the query (MUST clauses on tenant and metadata terms), so ranking only
-ever sees eligible chunks.
+Restriction happens inside the query (MUST clauses on the tenant, the ACL scopes, metadata terms
+and, for range filters, the set of eligible rows), so ranking only ever sees eligible chunks.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def make_schema() -> "tantivy.Schema":
     sb.add_text_field("title", stored=False, tokenizer_name=ANALYZER_NAME)
     sb.add_text_field("text", stored=False, tokenizer_name=ANALYZER_NAME)
     sb.add_text_field("tenant", stored=False, tokenizer_name="raw")
+    sb.add_text_field("acl", stored=False, tokenizer_name="raw")  # one value per scope
     sb.add_json_field("meta", stored=False, tokenizer_name="raw")
     return sb.build()
 
@@ -70,18 +71,20 @@ class LexicalIndex:
             raise IndexCorruptError(f"cannot open lexical index in {directory}: {exc}") from exc
         return cls(index, index.schema)
 
-    def add(self, rows: Iterable[tuple[int, str, str, str, dict]], writer=None) -> int:
-        """Add (row, title, text, tenant, metadata) chunks; commit when we own the writer."""
+    def add(self, rows: Iterable[tuple[int, str, str, str, dict, Sequence[str]]], writer=None) -> int:
+        """Add (row, title, text, tenant, metadata, acl) chunks; commit when we own the writer."""
         own = writer is None
         writer = writer or self.index.writer(heap_size=128_000_000, num_threads=1)
         n = 0
-        for row, title, text, tenant, meta in rows:
+        for row, title, text, tenant, meta, acl in rows:
             doc = tantivy.Document()
             doc.add_unsigned("row", int(row))
             if title:
                 doc.add_text("title", title)
             doc.add_text("text", text)
             doc.add_text("tenant", tenant)
+            for scope in acl:
+                doc.add_text("acl", scope)
             if meta:
                 doc.add_json("meta", {str(k): str(v) for k, v in meta.items()})
             writer.add_document(doc)
@@ -102,8 +105,11 @@ class LexicalIndex:
         return list(seen)
 
     def search(self, text: str, k: int, tenant: Optional[str] = None,
-               filters: Sequence[tuple[str, Sequence[str]]] = ()) -> tuple[list[float], list[int]]:
-        """BM25 top-k (scores, rows), best first, restricted to tenant and filters in the query."""
+               equal_filters: Sequence[tuple[str, Sequence[str]]] = (),
+               acl_scopes: Optional[Sequence[str]] = None,
+               rows: Optional[Sequence[int]] = None) -> tuple[list[float], list[int]]:
+        """BM25 top-k (scores, rows), best first, restricted inside the query to the tenant, the
+        ACL scopes (None: no ACL check), metadata equality filters and, if given, a row set."""
         terms = self.query_terms(text)
         if not terms or k <= 0:
             return [], []
@@ -113,8 +119,14 @@ class LexicalIndex:
         clauses = [(Occur.Must, Q.boolean_query(should))]
         if tenant is not None:
             clauses.append((Occur.Must, Q.term_query(self.schema, "tenant", tenant)))
-        for key, values in filters:
+        if acl_scopes is not None:
+            clauses.append((Occur.Must, Q.term_set_query(self.schema, "acl", list(acl_scopes))))
+        for key, values in equal_filters:
             clauses.append((Occur.Must, Q.term_set_query(self.schema, f"meta.{key}", list(values))))
+        if rows is not None:
+            if not rows:
+                return [], []
+            clauses.append((Occur.Must, Q.term_set_query(self.schema, "row", [int(r) for r in rows])))
         query = Q.boolean_query(clauses) if len(clauses) > 1 else clauses[0][1]
         searcher = self.index.searcher()
         result = searcher.search(query, k, count=False)

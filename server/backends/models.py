@@ -88,6 +88,8 @@ class _Transformer:
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Model tokens per text (special tokens included), before truncation."""
+        if not texts:
+            return []
         enc = self.tokenizer(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
         return [len(ids) for ids in enc]
 

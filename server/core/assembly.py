@@ -10,6 +10,7 @@ import hashlib
 import re
 from typing import Callable, Optional, Sequence
 
+from server.backends.docstore import PUBLIC_ACL
 from server.core.types import RankedHit
 
 _SPACE = re.compile(r"\s+")
@@ -21,8 +22,10 @@ def _text_key(text: str) -> str:
 
 def assemble(hits: Sequence[RankedHit], top_k: int, tenant: str, token_budget: int = 0,
              count_tokens: Optional[Callable[[list[str]], list[int]]] = None,
-             dedupe: bool = True) -> tuple[list[RankedHit], list[tuple[RankedHit, str]], int]:
+             dedupe: bool = True, acl_scopes: Sequence[str] = ()
+             ) -> tuple[list[RankedHit], list[tuple[RankedHit, str]], int]:
     """Returns (selected, dropped with reasons, tokens used)."""
+    readable = set(acl_scopes) | {PUBLIC_ACL}
     selected: list[RankedHit] = []
     dropped: list[tuple[RankedHit, str]] = []
     seen: dict[str, int] = {}
@@ -32,13 +35,16 @@ def assemble(hits: Sequence[RankedHit], top_k: int, tenant: str, token_budget: i
         if count_tokens is None:
             raise ValueError("a token budget needs a tokenizer")
         window = [h.candidate.record.text for h in hits[: max(top_k * 4, top_k)]]
-        costs = count_tokens(window)
+        costs = count_tokens(window) if window else []
     for i, hit in enumerate(hits):
         if len(selected) == top_k:
             break
         rec = hit.candidate.record
         if rec.tenant != tenant:
             dropped.append((hit, "tenant_mismatch"))
+            continue
+        if not readable.intersection(rec.acl):
+            dropped.append((hit, "acl_mismatch"))
             continue
         if dedupe:
             key = _text_key(rec.text)

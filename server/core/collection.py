@@ -43,6 +43,7 @@ class ReleaseDescriptor:
     shard_counts: dict = field(default_factory=dict)   # "shard-000" -> {documents, chunks, tenants}
     tenants: dict = field(default_factory=dict)        # tenant -> chunks
     search_defaults: dict = field(default_factory=dict)  # nprobe / ef_search / k_factor
+    dedicated_tenants: dict = field(default_factory=dict)  # "shard-000" -> [tenant, ...]
     audit: Optional[dict] = None                       # ANN recall audit (index-builder audit)
 
     def to_json(self) -> str:

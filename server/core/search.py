@@ -175,9 +175,12 @@ class SearchCore:
 
         for f in q.filters:
             check_filter_key(f.key)
-            if not f.any_of or len(f.any_of) > limits.MAX_FILTER_VALUES:
-                raise InvalidArgument(f"filter {f.key!r} needs 1..{limits.MAX_FILTER_VALUES} values")
-            if any(len(v) > limits.MAX_FILTER_VALUE_CHARS for v in f.any_of):
+            if not (f.any_of or f.is_range) or len(f.any_of) > limits.MAX_FILTER_VALUES:
+                raise InvalidArgument(f"filter {f.key!r} needs 1..{limits.MAX_FILTER_VALUES} values "
+                                      "or a gte/lte range")
+            if f.gte is not None and f.lte is not None and f.gte > f.lte:
+                raise InvalidArgument(f"filter {f.key!r}: gte {f.gte!r} is above lte {f.lte!r}")
+            if any(len(v) > limits.MAX_FILTER_VALUE_CHARS for v in f.any_of + (f.gte or "", f.lte or "")):
                 raise InvalidArgument(f"a value of filter {f.key!r} exceeds "
                                       f"{limits.MAX_FILTER_VALUE_CHARS} characters")
         needs_text = mode in ("lexical", "hybrid") or (mode == "dense" and q.vector is None)
@@ -254,8 +257,10 @@ class SearchCore:
         if deadline is not None and asyncio.get_running_loop().time() >= deadline:
             raise DeadlineExceeded(f"deadline passed before {stage}")
 
-    async def search(self, q: SearchQuery, tenant: str, deadline: Optional[float] = None) -> SearchResult:
-        """`tenant` comes from the caller's credentials (transport), never from the request."""
+    async def search(self, q: SearchQuery, tenant: str, deadline: Optional[float] = None,
+                     acl_scopes: Sequence[str] = ()) -> SearchResult:
+        """`tenant` and `acl_scopes` come from the caller's credentials (transport), never from
+        the request."""
         if not tenant:
             raise FailedPrecondition("no tenant resolved for the caller")
         if self.inflight >= self.config.max_inflight:
@@ -265,12 +270,13 @@ class SearchCore:
         self.inflight += 1
         metrics.INFLIGHT.inc()
         try:
-            return await self._search(q, tenant, deadline)
+            return await self._search(q, tenant, deadline, tuple(acl_scopes))
         finally:
             self.inflight -= 1
             metrics.INFLIGHT.dec()
 
-    async def _search(self, q: SearchQuery, tenant: str, deadline: Optional[float]) -> SearchResult:
+    async def _search(self, q: SearchQuery, tenant: str, deadline: Optional[float],
+                      acl_scopes: tuple) -> SearchResult:
         t_start = time.perf_counter()
         timings: dict[str, float] = {}
         notes: list[str] = []
@@ -294,7 +300,8 @@ class SearchCore:
         lexical_depth = q.lexical_depth or max(self.config.default_depth, q.top_k)
         sq = ShardQuery(desc.build_id, tenant,
                         vector.astype(np.float32) if mode != "lexical" else None, desc.model_id,
-                        q.text if mode != "dense" else "", dense_depth, lexical_depth, q.filters)
+                        q.text if mode != "dense" else "", dense_depth, lexical_depth, q.filters,
+                        acl_scopes)
         self._check_deadline(deadline, "retrieval")
         results, shard_errors = await self._fan_out(coll, sq, deadline, q.allow_partial)
         t = lap("retrieve", t)
@@ -349,8 +356,12 @@ class SearchCore:
         count = self.embedder.count_tokens if self.embedder is not None else None
         if q.context_token_budget and count is None:
             raise FailedPrecondition("a context token budget needs the server's tokenizer (embedder)")
-        selected, dropped, used = assemble(ranked, q.top_k, tenant, q.context_token_budget, count,
-                                           self.config.dedupe)
+        args = (ranked, q.top_k, tenant, q.context_token_budget, count, self.config.dedupe, acl_scopes)
+        if q.context_token_budget:  # tokenizing the passages is CPU work: keep it off the event loop
+            selected, dropped, used = await asyncio.get_running_loop().run_in_executor(
+                self.executor, assemble, *args)
+        else:
+            selected, dropped, used = assemble(*args)
         lap("assembly", t)
         timings["total"] = (time.perf_counter() - t_start) * 1e3
         metrics.RECENT.observe("total", timings["total"] / 1e3)

@@ -12,7 +12,13 @@ from server.backends.docstore import ChunkRecord
 @dataclass(frozen=True)
 class Filter:
     key: str
-    any_of: tuple[str, ...]
+    any_of: tuple[str, ...] = ()
+    gte: Optional[str] = None
+    lte: Optional[str] = None
+
+    @property
+    def is_range(self) -> bool:
+        return self.gte is not None or self.lte is not None
 
 
 @dataclass
@@ -45,6 +51,7 @@ class ShardQuery:
     dense_depth: int
     lexical_depth: int
     filters: tuple[Filter, ...] = ()
+    acl_scopes: tuple[str, ...] = ()   # the caller's ACL scopes (PUBLIC_ACL is always added)
 
 
 @dataclass

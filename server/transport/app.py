@@ -5,6 +5,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import grpc
@@ -13,14 +14,39 @@ from grpc_reflection.v1alpha import reflection
 
 from server.core import limits
 from server.core.search import SearchCore
-from server.rpc import search_pb2, search_pb2_grpc, shard_pb2, shard_pb2_grpc
+from server.rpc import search_pb2, shard_pb2
 from server.transport.auth import Authenticator
+from server.transport.errors import add_service
 from server.transport.servicers import AdminServicer, SearchServicer
 
 log = logging.getLogger(__name__)
 
 SERVICES = (search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name,
             search_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name)
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Server TLS: certificate chain and key (PEM files); with client_ca, clients must present a
+    certificate signed by it (mutual TLS, e.g. router -> shard)."""
+
+    cert: Path
+    key: Path
+    client_ca: Optional[Path] = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        ca = self.client_ca.read_bytes() if self.client_ca else None
+        return grpc.ssl_server_credentials([(self.key.read_bytes(), self.cert.read_bytes())],
+                                           root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _listen(server: grpc.aio.Server, host: str, port: int, tls: Optional[TLSConfig]) -> int:
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, tls.credentials()) if tls is not None
+             else server.add_insecure_port(address))
+    if bound == 0:
+        raise RuntimeError(f"cannot listen on {address}")
+    return bound
+
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES),
@@ -53,16 +79,14 @@ class RunningServer:
 
 
 async def start_server(core: SearchCore, auth: Authenticator, host: str = "127.0.0.1",
-                       port: int = 0) -> RunningServer:
+                       port: int = 0, tls: Optional[TLSConfig] = None) -> RunningServer:
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    search_pb2_grpc.add_SearchServiceServicer_to_server(SearchServicer(core, auth), server)
-    search_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(core, auth), server)
+    add_service(server, SearchServicer(core, auth), search_pb2.DESCRIPTOR.services_by_name["SearchService"])
+    add_service(server, AdminServicer(core, auth), search_pb2.DESCRIPTOR.services_by_name["AdminService"])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(SERVICES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot listen on {host}:{port}")
+    bound = _listen(server, host, port, tls)
     await server.start()
     status = (health_pb2.HealthCheckResponse.SERVING if core.ready
               else health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -71,19 +95,18 @@ async def start_server(core: SearchCore, auth: Authenticator, host: str = "127.0
     return RunningServer(server, bound, health_servicer, core)
 
 
-async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0,
+                             tls: Optional[TLSConfig] = None) -> RunningServer:
     """Serve one shard over proto/shard.proto, with health and reflection."""
     from server.transport.shard_rpc import ShardServicer
 
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    shard_pb2_grpc.add_ShardServiceServicer_to_server(ShardServicer(shard), server)
+    add_service(server, ShardServicer(shard), shard_pb2.DESCRIPTOR.services_by_name["ShardService"])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SHARD_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                         server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot listen on {host}:{port}")
+    bound = _listen(server, host, port, tls)
     await server.start()
     for name in ("", SHARD_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -109,9 +132,10 @@ def start_metrics(host: str, metrics_port: Optional[int]) -> str:
     return f", metrics on http://{host}:{metrics_port}/metrics"
 
 
-async def serve_shard_forever(shard, host: str, port: int, metrics_port: Optional[int]) -> None:
+async def serve_shard_forever(shard, host: str, port: int, metrics_port: Optional[int],
+                              tls: Optional[TLSConfig] = None) -> None:
     note = start_metrics(host, metrics_port)
-    running = await start_shard_server(shard, host, port)
+    running = await start_shard_server(shard, host, port, tls)
     print(f"shard server (shard {shard.shard_no} of {shard.desc.collection}/{shard.desc.build_id}) "
           f"listening on {host}:{running.port}{note}", flush=True)
     await wait_for_signal_then_stop(running)
@@ -119,11 +143,11 @@ async def serve_shard_forever(shard, host: str, port: int, metrics_port: Optiona
 
 async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: int,
                         metrics_port: Optional[int], ready_message: bool = True,
-                        setup=None) -> None:
+                        setup=None, tls: Optional[TLSConfig] = None) -> None:
     note = start_metrics(host, metrics_port)
     if setup is not None:  # e.g. connecting a router to its shard replicas, inside the loop
         await setup()
-    running = await start_server(core, auth, host, port)
+    running = await start_server(core, auth, host, port, tls)
     if ready_message:
         print(f"search-server listening on {host}:{running.port}{note}", flush=True)
     await wait_for_signal_then_stop(running)

@@ -1,31 +1,94 @@
-"""Who is calling: the tenant comes from credentials in gRPC metadata, never from a request field.
+"""Who is calling: the tenant and ACL scopes come from credentials in gRPC metadata, never from a
+request field, so no request can name, widen or wildcard its tenant.
 
-`AnonymousAuth` (the embedded default) gives every caller one configured tenant. A verifier maps a
-bearer token to a Principal; the search path only ever sees `Principal.tenant`.
+- `AnonymousAuth` (the embedded default): no credentials; every caller is one configured tenant.
+- `TokenFileAuth`: `authorization: Bearer <token>` looked up in a JSON file of token hashes:
+    {"tokens": [{"sha256": "<hex sha256 of the token>", "tenant": "acme",
+                 "acl": ["eng", "hr"], "roles": ["write", "admin"]}, ...]}
+  ("token": "<plain token>" is accepted in place of "sha256" for development files.)
+Any verifier with `authenticate(metadata) -> Principal` plugs in (e.g. JWT or mTLS identity).
+Roles gate operations: "write" for UpsertDocument/DeleteDocument, "admin" for the admin service.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
+
+from server.core.collection import NAME
+from server.errors import PermissionDenied, Unauthenticated
+
+ROLES = ("write", "admin")
 
 
 @dataclass(frozen=True)
 class Principal:
     tenant: str
-    scopes: frozenset = frozenset()
+    acl_scopes: tuple = ()
+    roles: frozenset = field(default_factory=frozenset)
+
+    def require(self, role: str) -> "Principal":
+        if role not in self.roles:
+            raise PermissionDenied(f"tenant {self.tenant!r}: this credential lacks the {role!r} role")
+        return self
 
 
 class Authenticator(Protocol):
-    def authenticate(self, metadata: tuple) -> Principal: ...
+    def authenticate(self, metadata) -> Principal: ...
+
+
+def _check_tenant(tenant: str, where: str) -> str:
+    if not isinstance(tenant, str) or not NAME.match(tenant):
+        raise ValueError(f"{where}: tenant {str(tenant)[:80]!r} must match {NAME.pattern} "
+                         "(no empty or wildcard tenants)")
+    return tenant
 
 
 class AnonymousAuth:
-    """No credentials required: every caller is `tenant` (single-tenant deployments)."""
+    """No credentials required: every caller is `tenant`, with every role (single-tenant use)."""
 
     def __init__(self, tenant: str = "default"):
-        if not tenant:
-            raise ValueError("the anonymous tenant must be a non-empty name")
-        self.principal = Principal(tenant)
+        self.principal = Principal(_check_tenant(tenant, "anonymous tenant"), (), frozenset(ROLES))
 
-    def authenticate(self, metadata: tuple) -> Principal:
+    def authenticate(self, metadata) -> Principal:
         return self.principal
+
+
+class TokenFileAuth:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        data = json.loads(self.path.read_text())
+        self._by_hash: dict[str, Principal] = {}
+        for i, entry in enumerate(data.get("tokens", [])):
+            where = f"{self.path} tokens[{i}]"
+            digest = entry.get("sha256") or (
+                hashlib.sha256(entry["token"].encode()).hexdigest() if entry.get("token") else None)
+            if not digest:
+                raise ValueError(f"{where}: needs sha256 (or token)")
+            acl = tuple(sorted(str(a) for a in entry.get("acl", [])))
+            for scope in acl:
+                if not NAME.match(scope):
+                    raise ValueError(f"{where}: ACL scope {scope!r} must match {NAME.pattern}")
+            roles = frozenset(entry.get("roles", []))
+            if roles - set(ROLES):
+                raise ValueError(f"{where}: unknown roles {sorted(roles - set(ROLES))}")
+            self._by_hash[digest.lower()] = Principal(_check_tenant(entry.get("tenant"), where), acl, roles)
+        if not self._by_hash:
+            raise ValueError(f"{self.path}: no tokens configured")
+
+    def authenticate(self, metadata) -> Principal:
+        values = [v for k, v in (metadata or ()) if k == "authorization"]
+        if len(values) != 1:
+            raise Unauthenticated("send exactly one 'authorization: Bearer <token>' metadata entry")
+        value = values[0] if isinstance(values[0], str) else values[0].decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
+        digest = hashlib.sha256(token.strip().encode()).hexdigest()
+        for known, principal in self._by_hash.items():  # constant-time compare per entry
+            if hmac.compare_digest(known, digest):
+                return principal
+        raise Unauthenticated("unknown token")

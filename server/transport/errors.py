@@ -30,6 +30,45 @@ STATUS = (  # most specific first
 )
 
 
+class Malformed:
+    """Stands in for a request whose bytes did not parse; the boundary answers INVALID_ARGUMENT."""
+
+    def __init__(self, message_type: str, error: Exception):
+        self.message_type, self.error = message_type, error
+
+
+def safe_deserializer(cls):
+    """Parse a request; on garbage bytes (or invalid UTF-8 in a string field) return Malformed
+    instead of letting grpc answer INTERNAL."""
+    name = cls.DESCRIPTOR.full_name
+
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception as exc:  # google.protobuf.message.DecodeError and friends
+            return Malformed(name, exc)
+
+    return parse
+
+
+def add_service(server, servicer, service_descriptor) -> None:
+    """Register `servicer` for every method of a protobuf service, with safe request parsing.
+
+    Used instead of the generated add_*_to_server so malformed bytes get INVALID_ARGUMENT.
+    """
+    from google.protobuf import message_factory
+
+    handlers = {}
+    for method in service_descriptor.methods:
+        req_cls = message_factory.GetMessageClass(method.input_type)
+        resp_cls = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name), request_deserializer=safe_deserializer(req_cls),
+            response_serializer=resp_cls.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers),))
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     for cls, code in STATUS:
         if isinstance(exc, cls):
@@ -44,6 +83,9 @@ def boundary(method: str):
         @functools.wraps(fn)
         async def handler(self, request, context):
             try:
+                if isinstance(request, Malformed):
+                    raise errors.InvalidArgument(f"request is not a valid {request.message_type}: "
+                                                 f"{type(request.error).__name__}")
                 response = await fn(self, request, context)
             except errors.SearchError as exc:
                 code = status_for(exc)

@@ -26,10 +26,12 @@ def load_topology(path: Path) -> tuple[str, list[list[str]]]:
 
 
 async def connect_router(core: SearchCore, collection: str, shard_replicas: Sequence[Sequence[str]],
-                         policy: HedgePolicy = HedgePolicy(), timeout: float = 30.0) -> LoadedCollection:
+                         policy: HedgePolicy = HedgePolicy(), timeout: float = 30.0,
+                         credentials=None) -> LoadedCollection:
+    """`credentials`: grpc channel credentials for TLS to the shards (None: plaintext)."""
     sets, desc = [], None
     for shard_no, addresses in enumerate(shard_replicas):
-        replicas = [RemoteShard(a, shard_no) for a in addresses]
+        replicas = [RemoteShard(a, shard_no, credentials) for a in addresses]
         for r in replicas:
             try:
                 info = await r.info(timeout)

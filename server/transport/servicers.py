@@ -36,7 +36,8 @@ def query_from_pb(req: pb.SearchRequest) -> SearchQuery:
     return SearchQuery(
         collection=req.collection, text=req.text, vector=vector, vector_model_id=model_id,
         top_k=req.top_k, mode=mode,
-        filters=tuple(Filter(f.key, tuple(f.any_of)) for f in req.filters),
+        filters=tuple(Filter(f.key, tuple(f.any_of), f.gte or None, f.lte or None)
+                      for f in req.filters),
         include_trace=req.include_trace, dense_depth=req.dense_depth,
         lexical_depth=req.lexical_depth, rrf_k=req.rrf_k, rerank_depth=req.rerank_depth,
         context_token_budget=req.context_token_budget, allow_partial=req.allow_partial)
@@ -83,20 +84,21 @@ class SearchServicer(pb_grpc.SearchServiceServicer):
     async def Search(self, request, context):
         principal = self.auth.authenticate(context.invocation_metadata())
         query = query_from_pb(request)
-        result = await self.core.search(query, principal.tenant, deadline_of(context))
+        result = await self.core.search(query, principal.tenant, deadline_of(context),
+                                        principal.acl_scopes)
         metric = self.core.collection(request.collection).desc.metric
         return result_to_pb(result, pb.L2_DISTANCE if metric == "l2" else pb.COSINE_SIMILARITY)
 
     @boundary("UpsertDocument")
     async def UpsertDocument(self, request, context):
-        self.auth.authenticate(context.invocation_metadata())
+        self.auth.authenticate(context.invocation_metadata()).require("write")
         self.core.collection(request.collection)
         raise FailedPrecondition("streaming upserts are not enabled on this server yet; rebuild "
                                  "the collection with `index-builder build` and publish it")
 
     @boundary("DeleteDocument")
     async def DeleteDocument(self, request, context):
-        self.auth.authenticate(context.invocation_metadata())
+        self.auth.authenticate(context.invocation_metadata()).require("write")
         self.core.collection(request.collection)
         raise FailedPrecondition("streaming deletes are not enabled on this server yet; rebuild "
                                  "the collection with `index-builder build` and publish it")
@@ -117,18 +119,18 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
 
     @boundary("ListCollections")
     async def ListCollections(self, request, context):
-        self.auth.authenticate(context.invocation_metadata())
+        self.auth.authenticate(context.invocation_metadata()).require("admin")
         return pb.ListCollectionsResponse(
             collections=[describe_pb(self.core, n) for n in sorted(self.core.collections)])
 
     @boundary("DescribeCollection")
     async def DescribeCollection(self, request, context):
-        self.auth.authenticate(context.invocation_metadata())
+        self.auth.authenticate(context.invocation_metadata()).require("admin")
         return describe_pb(self.core, request.collection)
 
     @boundary("CollectionStats")
     async def CollectionStats(self, request, context):
-        self.auth.authenticate(context.invocation_metadata())
+        self.auth.authenticate(context.invocation_metadata()).require("admin")
         s = self.core.stats(request.collection)
         return pb.CollectionStatsResponse(
             collection=request.collection, documents=s["documents"], chunks=s["chunks"],

@@ -33,8 +33,9 @@ def query_to_pb(q: ShardQuery) -> spb.ShardSearchRequest:
     return spb.ShardSearchRequest(
         build_id=q.build_id, tenant=q.tenant, model_id=q.model_id, text=q.text,
         vector=q.vector.tolist() if q.vector is not None else [],
-        dense_depth=q.dense_depth, lexical_depth=q.lexical_depth,
-        filters=[spb.ShardFilter(key=f.key, any_of=list(f.any_of)) for f in q.filters])
+        dense_depth=q.dense_depth, lexical_depth=q.lexical_depth, acl_scopes=list(q.acl_scopes),
+        filters=[spb.ShardFilter(key=f.key, any_of=list(f.any_of), gte=f.gte or "", lte=f.lte or "")
+                 for f in q.filters])
 
 
 def query_from_pb(r: spb.ShardSearchRequest) -> ShardQuery:
@@ -42,12 +43,14 @@ def query_from_pb(r: spb.ShardSearchRequest) -> ShardQuery:
         raise errors.InvalidArgument("shard request without a tenant")
     vector = np.asarray(r.vector, dtype=np.float32) if len(r.vector) else None
     return ShardQuery(r.build_id, r.tenant, vector, r.model_id, r.text, r.dense_depth,
-                      r.lexical_depth, tuple(Filter(f.key, tuple(f.any_of)) for f in r.filters))
+                      r.lexical_depth,
+                      tuple(Filter(f.key, tuple(f.any_of), f.gte or None, f.lte or None)
+                            for f in r.filters), tuple(r.acl_scopes))
 
 
 def _hit_pb(c: Candidate) -> spb.ShardHit:
     r = c.record
-    return spb.ShardHit(chunk_id=r.chunk_id, score=c.score, doc_id=r.doc_id, text=r.text,
+    return spb.ShardHit(chunk_id=r.chunk_id, score=c.score, doc_id=r.doc_id, text=r.text, acl=list(r.acl),
                         title=r.title, chunk_index=r.chunk_index, start_offset=r.start_offset,
                         end_offset=r.end_offset, tenant=r.tenant,
                         metadata={str(k): str(v) for k, v in r.metadata.items()})
@@ -64,7 +67,8 @@ def result_from_pb(p: spb.ShardSearchResponse) -> ShardResult:
     def cands(hits):
         return [Candidate(h.chunk_id, h.score,
                           ChunkRecord(-1, h.chunk_id, h.doc_id, h.chunk_index, h.start_offset,
-                                      h.end_offset, h.title, h.text, h.tenant, dict(h.metadata)),
+                                      h.end_offset, h.title, h.text, h.tenant, dict(h.metadata),
+                                      tuple(h.acl)),
                           p.shard) for h in hits]
 
     return ShardResult(p.shard, p.corpus_version, cands(p.dense), cands(p.lexical), p.dense_ms,
@@ -96,13 +100,14 @@ class RemoteShard:
     """A shard replica reached over gRPC. Each hit carries its owner's tenant, so the router's
     assembly re-checks what the shard restricted."""
 
-    def __init__(self, address: str, shard_no: int):
+    def __init__(self, address: str, shard_no: int,
+                 credentials: Optional[grpc.ChannelCredentials] = None):
         self.address = address
         self.shard_no = shard_no
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.keepalive_time_ms", 10_000),
-        ])
+        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                   ("grpc.keepalive_time_ms", 10_000)]
+        self.channel = (grpc.aio.secure_channel(address, credentials, options) if credentials
+                        else grpc.aio.insecure_channel(address, options))
         self.stub = spb_grpc.ShardServiceStub(self.channel)
 
     async def info(self, timeout: float = 10.0) -> spb.ShardInfoResponse:

@@ -1,0 +1,229 @@
+"""Per-stage latency of a hybrid + rerank query on the embedded default, over real gRPC.
+
+What it measures
+  1. A Cranfield collection built with the real packaged all-MiniLM-L6-v2
+     (`index_builder.build.build_collection`, factory Flat, one shard — the embedded default),
+     audited and published under --results-dir (default bench/results/stages/data). A later run
+     reuses it when the live build's model id and document count still match (--rebuild forces a
+     new build).
+  2. A cross-encoder with the MiniLM's exact architecture (its config.json with num_labels=1,
+     `BertForSequenceClassification(config)`, the MiniLM tokenizer files) but RANDOMLY INITIALISED
+     weights, because no pretrained cross-encoder can be installed here. Its timings are real (same
+     shapes, same FLOPs as a MiniLM-L6 cross-encoder such as ms-marco-MiniLM-L-6-v2); the ranking
+     it produces is meaningless.
+  3. The real gRPC server started in-process (tests/conftest.py `start_core_server`: SearchCore +
+     grpc.aio server on 127.0.0.1 in its own event-loop thread, CPU device), and the 225 Cranfield
+     queries sent one at a time (mode HYBRID, top_k 10, rerank_depth 20, include_trace False) by a
+     synchronous gRPC client in the main thread.
+
+  From each response's `timings` it reports p50/p99 per stage: embed, retrieve (the shard fan-out,
+  wall), dense and lexical (inside retrieve, per shard), fusion, rerank, assembly, total (server
+  side), plus the client-measured RPC time and RPC minus server total (transport, protobuf, the
+  in-process client). The query set is sent twice: first with an empty query-embedding cache
+  (every query is distinct, so every embed is a model call), then again with the cache warm; the
+  difference is shown. A few untimed warm-up queries (texts outside the query set) go first.
+
+  torch intra-op threads are set explicitly (--threads, default: core count) and printed.
+
+Run (from the repository root; ~5-8 minutes on 2 cores the first time, the build is reused after):
+    .venv/bin/python bench/bench_stages.py
+    .venv/bin/python bench/bench_stages.py --queries 50 --rerank-depth 20 --threads 2
+    .venv/bin/python bench/bench_stages.py --batch-max-wait-ms 0   # batchers close at once
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from bench._util import CpuMonitor, pct  # noqa: E402
+
+DEFAULT_DATASET = REPO.parent / "shared" / "datasets" / "cranfield"
+DEFAULT_RESULTS = REPO / "bench" / "results" / "stages"
+STAGES = ("embed", "retrieve", "dense", "lexical", "fusion", "rerank", "assembly", "total")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def make_random_cross_encoder(dst: Path, seed: int) -> Path:
+    """MiniLM-L6 architecture, num_labels=1, random weights, MiniLM tokenizer. Reused if present."""
+    if (dst / "config.json").is_file() and (dst / "model.safetensors").is_file():
+        return dst
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from server.backends.models import packaged_minilm_dir
+
+    src = packaged_minilm_dir()
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_labels"] = 1
+    cfg["architectures"] = ["BertForSequenceClassification"]
+    config = BertConfig.from_dict(cfg)
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    BertForSequenceClassification(config).save_pretrained(tmp)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(src / name, tmp / name)
+    (tmp / "RANDOM_WEIGHTS.txt").write_text(
+        "Randomly initialised BertForSequenceClassification with all-MiniLM-L6-v2's config "
+        f"(num_labels=1, torch seed {seed}). For latency benchmarks only: its scores are noise.\n")
+    shutil.rmtree(dst, ignore_errors=True)
+    os.rename(tmp, dst)
+    return dst
+
+
+def ensure_collection(data_dir: Path, name: str, docs, embedder, factory: str, shards: int,
+                      rebuild: bool) -> tuple[object, str]:
+    from index_builder.build import audit_build, build_collection
+    from server.core.collection import CollectionStore
+
+    store = CollectionStore(data_dir)
+    if not rebuild and name in store.collections():
+        desc = store.descriptor(name, store.live_build(name))
+        if (desc.model_id == embedder.model_id and desc.documents == len(docs)
+                and desc.factory == factory and desc.shards == shards):
+            return desc, "reused"
+    t0 = time.perf_counter()
+    desc = build_collection(docs, store, name, embedder, factory, shards=shards, quiet=True)
+    audit = audit_build(store, name, desc.build_id)
+    store.publish(name, desc.build_id)
+    return store.descriptor(name, desc.build_id), (f"built in {time.perf_counter() - t0:.0f}s, "
+                                                   f"audit recall@10 {audit['recall']:.3f}")
+
+
+def run_queries(stub, pb, collection, texts, top_k, rerank_depth) -> tuple[dict, list, list]:
+    stage_ms: dict[str, list[float]] = {s: [] for s in STAGES}
+    rpc_ms, rankings = [], []
+    for text in texts:
+        req = pb.SearchRequest(collection=collection, text=text, top_k=top_k, mode=pb.HYBRID,
+                               rerank_depth=rerank_depth, include_trace=False)
+        t0 = time.perf_counter()
+        resp = stub.Search(req, timeout=120)
+        rpc_ms.append((time.perf_counter() - t0) * 1e3)
+        got = {t.stage: t.ms for t in resp.timings}
+        for s in STAGES:
+            if s in got:
+                stage_ms[s].append(got[s])
+        rankings.append([h.doc_id for h in resp.hits])
+    stage_ms["rpc (client)"] = rpc_ms
+    stage_ms["rpc - total"] = [r - t for r, t in zip(rpc_ms, stage_ms["total"])]
+    return stage_ms, rpc_ms, rankings
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET, help="BEIR-layout dataset directory")
+    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS,
+                   help="where the collection and the random cross-encoder are cached")
+    p.add_argument("--collection", default="cranfield")
+    p.add_argument("--factory", default="Flat")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--rebuild", action="store_true", help="build the collection even if one matches")
+    p.add_argument("--queries", type=int, default=0, help="use only the first N queries (0 = all)")
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--rerank-depth", type=int, default=20)
+    p.add_argument("--batch-max-wait-ms", type=float, default=2.0,
+                   help="embed and rerank batcher max_wait_ms (server default 2)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads value")
+    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up queries")
+    p.add_argument("--seed", type=int, default=1, help="seed of the random cross-encoder")
+    args = p.parse_args(argv)
+
+    import grpc
+    import torch
+
+    from index_builder.corpus import read_corpus
+    from index_builder.evaluate import load_beir, mean_scores, score_query
+    from server.backends.device import Device
+    from server.backends.models import CrossEncoder, Embedder
+    from server.rpc import search_pb2 as pb
+    from server.rpc import search_pb2_grpc as pb_grpc
+    from tests.conftest import start_core_server
+
+    torch.set_num_threads(args.threads)
+    print(f"torch.set_num_threads({args.threads}) -> torch.get_num_threads() = "
+          f"{torch.get_num_threads()}, interop = {torch.get_num_interop_threads()}, "
+          f"cores = {os.cpu_count()}")
+    device = Device("cpu")
+    embedder = Embedder(device=device)
+    docs = list(read_corpus(args.dataset))
+    data_dir = args.results_dir / "data"
+    desc, how = ensure_collection(data_dir, args.collection, docs, embedder, args.factory,
+                                  args.shards, args.rebuild)
+    print(f"collection {args.collection!r} build {desc.build_id}: {desc.documents} documents, "
+          f"{desc.chunks} chunks, {desc.factory}, {desc.shards} shard(s), model {desc.model_id} "
+          f"({how}) in {data_dir}")
+    ce_dir = make_random_cross_encoder(args.results_dir / "random-cross-encoder", args.seed)
+    reranker = CrossEncoder(ce_dir, device, model_name="random-minilm-l6-cross-encoder")
+    print(f"cross-encoder: {ce_dir} — MiniLM-L6 architecture (6 layers, hidden 384), num_labels=1, "
+          f"RANDOM WEIGHTS: the rerank timings are real, the ranking it produces is meaningless")
+
+    queries, qrels = load_beir(args.dataset)
+    qids = list(queries)[: args.queries or None]
+    texts = [queries[q] for q in qids]
+    print(f"queries: {len(texts)} ({len(set(texts))} distinct), mode HYBRID, top_k {args.top_k}, "
+          f"rerank_depth {args.rerank_depth}, include_trace False, sequential; batcher max_wait_ms "
+          f"{args.batch_max_wait_ms}")
+
+    srv = start_core_server(data_dir, embedder, reranker,
+                            embed_max_wait_ms=args.batch_max_wait_ms,
+                            rerank_max_wait_ms=args.batch_max_wait_ms)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            run_queries(stub, pb, args.collection,
+                        [f"warm-up query {i}: boundary layer flow over a flat plate" for i in
+                         range(args.warmup)], args.top_k, args.rerank_depth)
+            with CpuMonitor() as mon_cold:
+                cold, _, rankings = run_queries(stub, pb, args.collection, texts, args.top_k,
+                                                args.rerank_depth)
+            with CpuMonitor() as mon_warm:
+                warm, _, _ = run_queries(stub, pb, args.collection, texts, args.top_k,
+                                         args.rerank_depth)
+    finally:
+        srv.stop()
+
+    print(f"\ncold-cache pass: {mon_cold.summary()}")
+    print(f"warm-cache pass: {mon_warm.summary()}")
+    print("\nPer-stage latency, ms (server timings from each SearchResponse; 'rpc' rows measured by "
+          "the client):")
+    header = (f"{'stage':<14}{'n':>5}{'cold p50':>10}{'cold p99':>10}{'warm p50':>10}{'warm p99':>10}"
+              f"{'d p50':>9}{'d p99':>9}")
+    print(header)
+    print("-" * len(header))
+    for s in STAGES + ("rpc (client)", "rpc - total"):
+        c, w = cold.get(s, []), warm.get(s, [])
+        if not c and not w:
+            continue
+        c50, c99, w50, w99 = pct(c, 50), pct(c, 99), pct(w, 50), pct(w, 99)
+        print(f"{s:<14}{len(c):>5}{c50:>10.2f}{c99:>10.2f}{w50:>10.2f}{w99:>10.2f}"
+              f"{w50 - c50:>+9.2f}{w99 - c99:>+9.2f}")
+    print("(d = warm - cold; dense and lexical run inside retrieve, in parallel per shard)")
+    for name, st in (("cold", cold), ("warm", warm)):
+        tot = np.mean(st["total"])
+        parts = {s: np.mean(st[s]) / tot * 100 for s in ("embed", "retrieve", "fusion", "rerank",
+                                                          "assembly") if st.get(s)}
+        print(f"{name}: mean total {tot:.1f} ms = " + ", ".join(f"{s} {v:.1f}%" for s, v in parts.items()))
+
+    judged = [(r, qrels[q]) for q, r in zip(qids, rankings) if q in qrels]
+    if judged:
+        m = mean_scores(score_query(r, j) for r, j in judged)
+        print(f"\nranking check only (RANDOM cross-encoder, so this is noise by design): "
+              f"nDCG@10 {m['ndcg@10']:.3f}, MRR@10 {m['mrr@10']:.3f} over {len(judged)} queries")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Canary check: query as every other tenant and prove no canary sentinel ever comes back.
+
+The canary tenant's documents carry unique sentinel strings. For each credential (one per tenant
+that is not the canary), every sentinel is sent as a query in every mode, plus generic queries; any
+hit whose text, title or document id contains a sentinel is a leak. Exit status 1 on a leak.
+
+    index-builder canary-check --address HOST:PORT --collection NAME \\
+        --credentials creds.json --sentinel CANARY-7f3a --sentinel ...
+    creds.json: [{"tenant": "acme", "token": "..."}, ...]
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+GENERIC = ("report", "results of the experiment", "the", "secret", "confidential")
+
+
+def find_leaks(address: str, collection: str, credentials: Sequence[dict],
+               sentinels: Sequence[str], top_k: int = 50) -> tuple[int, list[str]]:
+    import grpc
+
+    from server.rpc import search_pb2 as pb
+    from server.rpc import search_pb2_grpc as pb_grpc
+
+    leaks, queries = [], 0
+    lowered = [s.lower() for s in sentinels]
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.SearchServiceStub(ch)
+        for cred in credentials:
+            md = (("authorization", f"Bearer {cred['token']}"),)
+            for text in list(sentinels) + list(GENERIC):
+                for mode in (pb.DENSE, pb.LEXICAL, pb.HYBRID):
+                    resp = stub.Search(pb.SearchRequest(collection=collection, text=text, top_k=top_k,
+                                                        mode=mode), metadata=md, timeout=30)
+                    queries += 1
+                    for h in resp.hits:
+                        blob = f"{h.doc_id} {h.title} {h.text}".lower()
+                        for s in lowered:
+                            if s in blob:
+                                leaks.append(f"tenant {cred['tenant']!r} query {text!r} mode "
+                                             f"{pb.SearchMode.Name(mode)}: {h.doc_id} contains {s!r}")
+    return queries, leaks
+
+
+def main(args) -> int:
+    creds = json.loads(Path(args.credentials).read_text())
+    queries, leaks = find_leaks(args.address, args.collection, creds, args.sentinel)
+    for leak in leaks:
+        print(f"LEAK: {leak}", file=sys.stderr)
+    print(f"canary check: {queries} queries as {len(creds)} tenant(s), {len(args.sentinel)} "
+          f"sentinel(s): {'LEAKS FOUND' if leaks else 'no sentinel returned'}")
+    return 1 if leaks else 0

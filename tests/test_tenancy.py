@@ -1,0 +1,231 @@
+"""Tenant isolation by construction: credentials decide the tenant and ACL scopes; both branches
+restrict before ranking (full pages for tiny tenants and selective filters); a canary tenant's
+sentinels never reach anyone else; TLS on the listener."""
+import json
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from server.rpc import search_pb2 as pb
+from server.rpc import search_pb2_grpc as pb_grpc
+
+from conftest import REPO, ServerThread
+
+SENTINELS = ["zqxcanaryalpha", "CANARY-7F3A-SECRET", "vexillumcanarium"]
+TOKENS = {"big": "tok-big", "small": "tok-small", "acme": "tok-acme", "acme-hr": "tok-acme-hr",
+          "canary": "tok-canary", "admin": "tok-admin"}
+
+
+def corpus(cranfield_docs):
+    from index_builder.corpus import Document
+
+    docs = []
+    for i, d in enumerate(cranfield_docs[:400]):  # "big": most of the shard
+        docs.append(Document(f"big-{d.doc_id}", d.text, d.title, {"date": f"19{50 + i % 20}-01-01"},
+                             tenant="big"))
+    for i, d in enumerate(cranfield_docs[400:412]):  # "small": 12 documents, ~2% of the shard
+        docs.append(Document(f"small-{i}", "wind tunnel " + d.text, d.title, {}, tenant="small"))
+    for i, d in enumerate(cranfield_docs[412:452]):
+        acl = ("hr",) if i % 2 else ()
+        docs.append(Document(f"acme-{i}", d.text + (" personnel salary review" if acl else ""),
+                             d.title, {}, tenant="acme", acl=acl))
+    for i, s in enumerate(SENTINELS):  # the canary: generic text plus a sentinel
+        docs.append(Document(f"canary-{i}", f"{s} report on wind tunnel results of the experiment "
+                             f"with boundary layers {s}", f"canary {s}", {}, tenant="canary"))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def tenant_build(tmp_path_factory, tiny_embedder, cranfield_docs):
+    from index_builder.build import audit_build, build_collection
+    from server.core.collection import CollectionStore
+
+    data = tmp_path_factory.mktemp("tenancy")
+    store = CollectionStore(data)
+    desc = build_collection(corpus(cranfield_docs), store, "mt", tiny_embedder, "HNSW16,Flat",
+                            shards=2, quiet=True, dedicated_tenant_min_chunks=150)
+    audit_build(store, "mt", desc.build_id)
+    store.publish("mt", desc.build_id)
+    tokens = {"tokens": [
+        {"token": TOKENS["big"], "tenant": "big"},
+        {"token": TOKENS["small"], "tenant": "small"},
+        {"token": TOKENS["acme"], "tenant": "acme"},
+        {"token": TOKENS["acme-hr"], "tenant": "acme", "acl": ["hr"]},
+        {"token": TOKENS["canary"], "tenant": "canary"},
+        {"sha256": __import__("hashlib").sha256(TOKENS["admin"].encode()).hexdigest(),
+         "tenant": "big", "roles": ["admin", "write"]},
+    ]}
+    (data / "tokens.json").write_text(json.dumps(tokens))
+    return data, desc
+
+
+def make_server(data, embedder, tls=None):
+    from server.backends.device import Device
+    from server.core.search import SearchConfig, SearchCore
+    from server.transport.auth import TokenFileAuth
+
+    core = SearchCore(SearchConfig(data_dir=data), embedder, None, Device("cpu"))
+    core.load()
+    srv = ServerThread(core, TokenFileAuth(data / "tokens.json"))
+    if tls is not None:
+        srv.tls = tls
+    return srv.start()
+
+
+@pytest.fixture(scope="module")
+def mt_server(tenant_build, tiny_embedder):
+    srv = make_server(tenant_build[0], tiny_embedder)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(mt_server):
+    ch = grpc.insecure_channel(mt_server.address)
+    yield pb_grpc.SearchServiceStub(ch)
+    ch.close()
+
+
+def as_(who):
+    return (("authorization", f"Bearer {TOKENS[who]}"),)
+
+
+def search(stub, who, **kw):
+    kw.setdefault("collection", "mt")
+    kw.setdefault("top_k", 10)
+    return stub.Search(pb.SearchRequest(**kw), metadata=as_(who), timeout=30)
+
+
+MODES = [pb.DENSE, pb.LEXICAL, pb.HYBRID]
+
+
+def test_no_credentials_or_a_bad_token_is_unauthenticated(stub):
+    for md in [(), (("authorization", "Bearer nope"),), (("authorization", "Basic abc"),)]:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Search(pb.SearchRequest(collection="mt", text="flow", top_k=5), metadata=md, timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_roles_gate_admin_and_writes(mt_server, stub):
+    admin = pb_grpc.AdminServiceStub(grpc.insecure_channel(mt_server.address))
+    with pytest.raises(grpc.RpcError) as err:
+        admin.ListCollections(pb.ListCollectionsRequest(), metadata=as_("small"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert [c.name for c in admin.ListCollections(pb.ListCollectionsRequest(), metadata=as_("admin"),
+                                                  timeout=10).collections] == ["mt"]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpsertDocument(pb.UpsertDocumentRequest(collection="mt", doc_id="x", version=1, text="t"),
+                            metadata=as_("small"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("who", ["big", "small", "acme", "acme-hr"])
+@pytest.mark.parametrize("mode", MODES)
+def test_canary_sentinels_never_reach_another_tenant(stub, who, mode):
+    for text in SENTINELS + ["wind tunnel results of the experiment", "boundary layers report"]:
+        resp = search(stub, who, text=text, mode=mode, top_k=50)
+        for h in resp.hits:
+            blob = f"{h.doc_id} {h.title} {h.text}".lower()
+            assert not any(s.lower() in blob for s in SENTINELS), (who, text, h.doc_id)
+            assert not h.doc_id.startswith("canary")
+
+
+def test_the_canary_tenant_does_find_its_own_sentinels(stub):
+    resp = search(stub, "canary", text=SENTINELS[1], mode=pb.LEXICAL)
+    assert resp.hits and resp.hits[0].doc_id == "canary-1"
+
+
+def test_canary_check_command_passes(mt_server, tenant_build, tmp_path):
+    creds = [{"tenant": t, "token": TOKENS[t]} for t in ("big", "small", "acme", "acme-hr")]
+    (tmp_path / "creds.json").write_text(json.dumps(creds))
+    args = [sys.executable, "-m", "index_builder.cli", "canary-check", "--address", mt_server.address,
+            "--collection", "mt", "--credentials", str(tmp_path / "creds.json")]
+    for s in SENTINELS:
+        args += ["--sentinel", s]
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "no sentinel returned" in out.stdout
+    # and it does fail when a sentinel is visible (the canary querying itself)
+    creds_self = tmp_path / "self.json"
+    creds_self.write_text(json.dumps([{"tenant": "canary", "token": TOKENS["canary"]}]))
+    leak = subprocess.run([a if a != str(tmp_path / "creds.json") else str(creds_self) for a in args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert leak.returncode == 1 and "LEAK" in leak.stderr
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tiny_tenant_gets_a_full_page_of_its_own_documents(stub, mode):
+    resp = search(stub, "small", text="wind tunnel", mode=mode, top_k=10)
+    assert len(resp.hits) == 10
+    assert all(h.doc_id.startswith("small-") for h in resp.hits)
+
+
+def test_tiny_tenant_dense_results_equal_exact_restricted_search(stub, tiny_embedder, tenant_build):
+    data, desc = tenant_build
+    from server.core.collection import CollectionStore
+    from server.backends.docstore import DocStore
+
+    q = "pressure distribution on a wind tunnel model"
+    resp = search(stub, "small", text=q, mode=pb.DENSE, top_k=10)
+    qv = tiny_embedder.encode([q])[0]
+    scored = []
+    bdir = CollectionStore(data).build_dir("mt", desc.build_id)
+    for s in range(desc.shards):
+        vecs = np.load(bdir / f"shard-{s:03d}" / "vectors.npy")
+        store = DocStore(bdir / f"shard-{s:03d}" / "docstore.sqlite")
+        mask = store.allowed_mask(len(vecs), "small")
+        for row in np.flatnonzero(mask):
+            scored.append((float(vecs[row] @ qv), store.fetch([int(row)])[int(row)].chunk_id))
+    exact = [cid for _, cid in sorted(scored, reverse=True)[:10]]
+    assert [h.chunk_id for h in resp.hits] == exact
+
+
+def test_acl_scopes_restrict_inside_the_tenant(stub):
+    for mode in MODES:
+        plain = search(stub, "acme", text="personnel salary review", mode=mode, top_k=40)
+        assert plain.hits and all(int(h.doc_id.split("-")[1]) % 2 == 0 for h in plain.hits)
+        hr = search(stub, "acme-hr", text="personnel salary review", mode=mode, top_k=40)
+        assert any(int(h.doc_id.split("-")[1]) % 2 == 1 for h in hr.hits)
+
+
+def test_a_large_tenant_is_served_from_its_dedicated_index(mt_server, stub):
+    shards = mt_server.core.collections["mt"].shards
+    assert all("big" in s.tenant_dense for s in shards)
+    resp = search(stub, "big", text="supersonic flow", mode=pb.DENSE, top_k=20)
+    assert len(resp.hits) == 20 and all(h.doc_id.startswith("big-") for h in resp.hits)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_selective_date_range_filter_still_fills_the_page(stub, mode):
+    f = pb.MetadataFilter(key="date", gte="1953-01-01", lte="1953-12-31")  # 1 year in 20: ~20 docs
+    resp = search(stub, "big", text="flow boundary layer", mode=mode, top_k=10, filters=[f])
+    assert len(resp.hits) == 10
+    assert all(h.metadata["date"] == "1953-01-01" for h in resp.hits)
+
+
+def test_tls_listener_serves_tls_clients_only(tenant_build, tiny_embedder, tmp_path):
+    from server.transport.app import TLSConfig
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    srv = make_server(tenant_build[0], tiny_embedder, TLSConfig(cert, key))
+    try:
+        creds = grpc.ssl_channel_credentials(cert.read_bytes())
+        with grpc.secure_channel(f"localhost:{srv.port}", creds) as ch:
+            resp = pb_grpc.SearchServiceStub(ch).Search(
+                pb.SearchRequest(collection="mt", text="flow", top_k=3), metadata=as_("big"), timeout=10)
+            assert len(resp.hits) == 3
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.SearchServiceStub(ch).Search(
+                    pb.SearchRequest(collection="mt", text="flow", top_k=3), metadata=as_("big"),
+                    timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop()
