@@ -10,32 +10,38 @@ What it measures
          (with max_batch=1 the wait never applies: a batch is full as soon as it opens)
 
   Load is closed-loop: C asyncio tasks (C in --concurrency, default 1,8,32) each submit one query,
-  await its vector, and submit the next, until --requests requests (default 400 per cell) have been
-  answered. Query texts are the 225 Cranfield queries (queries.jsonl), shuffled with --seed and
-  cycled. A request's token count (its batcher cost) is computed before the clock starts, as the
-  server computes it before submitting. Each cell gets a fresh batcher and a short untimed warm-up.
+  await its vector, and submit the next, until --requests requests (default 200) have been answered.
+  Query texts are the 225 Cranfield queries (queries.jsonl), shuffled with --seed and cycled. A
+  request's token count (its batcher cost) is computed before the clock starts, as the server
+  computes it before submitting. Each cell gets a fresh batcher and a short untimed warm-up. All
+  cells are run --repeats times (default 3) in interleaved rounds, so background load on a shared
+  machine hits every configuration alike; tables show the median round.
 
   Reported per cell: throughput (answered queries / wall seconds), p50/p99 latency (submit ->
-  vector), mean device-batch size, and padding efficiency (real tokens / padded tokens computed, since
-  a batch is padded to its longest query). Then the ON/OFF throughput ratio per concurrency and
-  p99(ON, C=max) / p50(OFF, C=1), the issue's goal being >= 3x throughput at C=32 with p99 under
-  2x the single-request latency.
+  vector), mean device-batch size, and padding efficiency (real tokens / padded tokens computed,
+  since a batch is padded to its longest query). Then the ON/OFF throughput ratio per concurrency
+  (median of the per-round ratios) and p99(ON, C=max) / p50(OFF, C=1), the issue's goal being >= 3x
+  throughput at C=32 with p99 under 2x the single-request latency.
 
   Two diagnostic tables explain the result: the raw cost of one `Embedder.encode` call per batch
-  size (no batcher), and an open-loop run (Poisson arrivals at --open-loop-rates queries/s) that shows
-  the latency each configuration holds at a fixed offered load. Closed-loop latency at C clients is
-  C / throughput (Little's law), so at C=32 p99 < 2x single latency would need ~16x throughput;
-  the open-loop table is where the p99 half of the goal can be judged.
+  size (no batcher), and an open-loop run (Poisson arrivals at offered loads given by
+  --open-loop-loads as multiples of the OFF C=1 throughput measured in the same run, so they track
+  the machine's speed) showing the latency each configuration holds at a fixed load. Closed-loop
+  latency at C clients is C / throughput (Little's law), so at C=32 a p99 under 2x the single
+  latency would need ~16x the single-request throughput; the open-loop table is where the p99 half
+  of the goal can be judged.
 
   torch intra-op threads are set explicitly (--threads, default: the machine's core count) and
   printed, both as seen by the main thread and inside the batcher's device thread. The "other cpu"
   column is the average number of cores other processes used during that cell (from /proc/stat):
   on a 2-core machine anything well above 0 means the cell's numbers are contended.
 
+  Runtime: about 3-4 minutes on 2 cores with the defaults.
+
 Run (from the repository root):
     .venv/bin/python bench/bench_batching.py
-    .venv/bin/python bench/bench_batching.py --requests 200 --concurrency 1,8,32 --threads 2
-    .venv/bin/python bench/bench_batching.py --extra-max-batch 8 --open-loop-rates ""   # skip open loop
+    .venv/bin/python bench/bench_batching.py --requests 200 --repeats 3 --concurrency 1,8,32 --threads 2
+    .venv/bin/python bench/bench_batching.py --extra-max-batch "" --open-loop-loads ""   # skip extras
 """
 from __future__ import annotations
 
@@ -164,7 +170,8 @@ def fmt_other(x) -> str:
 
 
 def device_call_table(embedder, texts, sizes, reps) -> list[tuple[int, float, float, float]]:
-    """(batch size, ms per call, ms per query, padding efficiency) of direct Embedder.encode calls."""
+    """(batch size, min ms per call, median ms per call, padding efficiency) of direct
+    Embedder.encode calls, `reps` calls per size over different query windows."""
     rows = []
     for b in sizes:
         times, batches = [], []
@@ -175,9 +182,13 @@ def device_call_table(embedder, texts, sizes, reps) -> list[tuple[int, float, fl
             embedder.encode(batch)
             times.append(time.perf_counter() - t0)
             batches.append(batch)
-        ms = statistics.median(times) * 1e3
-        rows.append((b, ms, ms / b, padding_efficiency(embedder, batches)))
+        rows.append((b, min(times) * 1e3, statistics.median(times) * 1e3,
+                     padding_efficiency(embedder, batches)))
     return rows
+
+
+def med(xs) -> float:
+    return float(statistics.median(xs))
 
 
 def main(argv=None) -> int:
@@ -186,7 +197,9 @@ def main(argv=None) -> int:
     p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET,
                    help="BEIR-layout dataset whose queries.jsonl supplies the texts")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated closed-loop client counts")
-    p.add_argument("--requests", type=int, default=400, help="timed requests per cell")
+    p.add_argument("--requests", type=int, default=200, help="timed requests per cell and round")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds over all cells (interleaved); tables show the median round")
     p.add_argument("--on-max-batch", type=int, default=64)
     p.add_argument("--extra-max-batch", default="8",
                    help="comma-separated extra ON rows with a smaller max_batch ('' for none)")
@@ -195,10 +208,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="torch.set_num_threads value (default: core count)")
     p.add_argument("--device", choices=["cpu", "auto", "cuda"], default="cpu")
-    p.add_argument("--open-loop-rates", default="40,80,120",
-                   help="comma-separated Poisson arrival rates (queries/s) for the open-loop table; '' skips")
+    p.add_argument("--open-loop-loads", default="0.5,0.9,1.3",
+                   help="comma-separated offered loads for the open-loop table, as multiples of the "
+                        "OFF C=1 throughput (or of 1/(batch-1 device call) without C=1); '' skips")
     p.add_argument("--open-loop-requests", type=int, default=300)
     p.add_argument("--device-call-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--device-call-reps", type=int, default=9)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -214,15 +229,15 @@ def main(argv=None) -> int:
     costs = [min(n, embedder.max_length) for n in embedder.count_tokens(texts)]
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     extra = [int(x) for x in args.extra_max_batch.split(",") if x.strip()]
-    rates = [float(x) for x in args.open_loop_rates.split(",") if x.strip()]
+    loads = [float(x) for x in args.open_loop_loads.split(",") if x.strip()]
 
     print(f"model: {embedder.model_id}  device: {embedder.device.torch_device}  "
           f"cores: {os.cpu_count()}")
     print(f"torch.set_num_threads({args.threads}) -> torch.get_num_threads() = "
           f"{torch.get_num_threads()} (main thread), interop threads = {torch.get_num_interop_threads()}")
     print(f"queries: {len(texts)} Cranfield texts, tokens p50/max = "
-          f"{int(np.percentile(costs, 50))}/{max(costs)}; {args.requests} timed requests per cell; "
-          f"max_wait_ms={args.max_wait_ms}, max_tokens={args.max_tokens}")
+          f"{int(np.percentile(costs, 50))}/{max(costs)}; {args.requests} timed requests per cell "
+          f"x {args.repeats} rounds; max_wait_ms={args.max_wait_ms}, max_tokens={args.max_tokens}")
 
     for _ in range(3):  # warm-up: allocator, kernels
         embedder.encode(texts[:1])
@@ -230,41 +245,68 @@ def main(argv=None) -> int:
 
     sizes = [int(x) for x in args.device_call_sizes.split(",") if x.strip()]
     with CpuMonitor() as mon:
-        table = device_call_table(embedder, texts, sizes, 5)
-    print(f"\nDevice-call cost (Embedder.encode directly, no batcher; median of 5 calls; "
-          f"other processes {fmt_other(mon.other_cores)} cores):")
-    print(f"{'batch':>6}{'ms/call':>10}{'ms/query':>10}{'queries/s':>11}{'pad eff':>9}")
-    for b, ms, msq, eff in table:
-        print(f"{b:>6}{ms:>10.1f}{msq:>10.2f}{1e3 / msq:>11.1f}{eff:>9.2f}")
+        table = device_call_table(embedder, texts, sizes, args.device_call_reps)
+        one_thread = None
+        if args.threads != 1 and embedder.device.torch_device == "cpu":
+            torch.set_num_threads(1)  # the same calls with one intra-op thread, for comparison
+            one_thread = device_call_table(embedder, texts, sizes, args.device_call_reps)
+            torch.set_num_threads(args.threads)
+    print(f"\nDevice-call cost (Embedder.encode directly, no batcher; {args.device_call_reps} calls "
+          f"per size; other processes {fmt_other(mon.other_cores)} cores):")
+    print(f"{'batch':>6}{'min ms':>9}{'median ms':>11}{'ms/query(min)':>15}{'queries/s(min)':>16}"
+          f"{'pad eff':>9}" + (f"{'min ms @1 thread':>18}" if one_thread else ""))
+    for i, (b, lo, md, eff) in enumerate(table):
+        print(f"{b:>6}{lo:>9.1f}{md:>11.1f}{lo / b:>15.2f}{1e3 * b / lo:>16.1f}{eff:>9.2f}"
+              + (f"{one_thread[i][1]:>18.1f}" if one_thread else ""))
+    if table[0][0] == 1:
+        best = max(table, key=lambda row: row[0] / row[1])
+        print(f"upper bound from batching alone (min times): {best[0] / best[1] * table[0][1]:.2f}x "
+              f"the batch-1 throughput, at batch {best[0]}")
 
     configs = [("OFF", 1), ("ON", args.on_max_batch)] + [(f"ON mb={m}", m) for m in extra]
-    results: dict[tuple[str, int], dict] = {}
-    for c in levels:
-        for name, mb in configs:  # interleaved per level, so drift hits every config alike
-            with CpuMonitor() as mon:
-                r = asyncio.run(closed_loop(embedder, texts, costs, c, args.requests, mb,
-                                            args.max_wait_ms, args.max_tokens))
-            r["other"] = mon.other_cores
-            results[(name, c)] = r
+    runs: dict[tuple[str, int], list[dict]] = {(n, c): [] for n, _ in configs for c in levels}
+    for _ in range(args.repeats):  # rounds, and configs interleaved per level: drift hits all alike
+        for c in levels:
+            for name, mb in configs:
+                with CpuMonitor() as mon:
+                    r = asyncio.run(closed_loop(embedder, texts, costs, c, args.requests, mb,
+                                                args.max_wait_ms, args.max_tokens))
+                r["other"] = mon.other_cores
+                runs[(name, c)].append(r)
+    results = {k: {"qps": med([r["qps"] for r in v]), "qps_min": min(r["qps"] for r in v),
+                   "qps_max": max(r["qps"] for r in v), "p50": med([r["p50"] for r in v]),
+                   "p99": med([r["p99"] for r in v]), "mean_batch": med([r["mean_batch"] for r in v]),
+                   "pad_eff": med([r["pad_eff"] for r in v]),
+                   "other": (None if any(r["other"] is None for r in v)
+                             else float(np.mean([r["other"] for r in v])))}
+               for k, v in runs.items()}
 
-    dev_threads = {r["device_threads"] for r in results.values()}
+    dev_threads = {r["device_threads"] for v in runs.values() for r in v}
     print(f"\ntorch.get_num_threads() inside the batcher's device thread: {sorted(dev_threads)}")
-    print("\nClosed loop (C clients, each submits its next query when the previous one returns):")
-    header = (f"{'config':<12}{'max_batch':>10}{'C':>5}{'queries/s':>11}{'p50 ms':>9}{'p99 ms':>9}"
-              f"{'mean batch':>12}{'pad eff':>9}{'other cpu':>11}")
+    print(f"\nClosed loop (C clients, each submits its next query when the previous one returns); "
+          f"median of {args.repeats} rounds, queries/s range in brackets:")
+    header = (f"{'config':<12}{'max_batch':>10}{'C':>5}{'queries/s':>11}{'[min-max]':>15}{'p50 ms':>9}"
+              f"{'p99 ms':>9}{'mean batch':>12}{'pad eff':>9}{'other cpu':>11}")
     print(header)
     print("-" * len(header))
     for c in levels:
         for name, mb in configs:
             r = results[(name, c)]
-            print(f"{name:<12}{mb:>10}{c:>5}{r['qps']:>11.1f}{r['p50']:>9.1f}{r['p99']:>9.1f}"
+            rng = f"[{r['qps_min']:.0f}-{r['qps_max']:.0f}]"
+            print(f"{name:<12}{mb:>10}{c:>5}{r['qps']:>11.1f}{rng:>15}{r['p50']:>9.1f}{r['p99']:>9.1f}"
                   f"{r['mean_batch']:>12.1f}{r['pad_eff']:>9.2f}{fmt_other(r['other']):>11}")
 
-    print("\nThroughput ratio vs OFF at the same concurrency:")
-    print(f"{'C':>5}" + "".join(f"{name + '/OFF':>16}" for name, _ in configs[1:]))
+    def ratios(name, c):  # ON/OFF within each round (adjacent in time)
+        return [a["qps"] / b["qps"] for a, b in zip(runs[(name, c)], runs[("OFF", c)])]
+
+    print("\nThroughput ratio vs OFF at the same concurrency (median of per-round ratios [min-max]):")
+    print(f"{'C':>5}" + "".join(f"{name + '/OFF':>22}" for name, _ in configs[1:]))
     for c in levels:
-        off = results[("OFF", c)]["qps"]
-        print(f"{c:>5}" + "".join(f"{results[(name, c)]['qps'] / off:>15.2f}x" for name, _ in configs[1:]))
+        cells = []
+        for name, _ in configs[1:]:
+            rs = ratios(name, c)
+            cells.append(f"{med(rs):.2f}x [{min(rs):.2f}-{max(rs):.2f}]")
+        print(f"{c:>5}" + "".join(f"{x:>22}" for x in cells))
 
     cmax = max(levels)
     if 1 in levels:
@@ -272,7 +314,7 @@ def main(argv=None) -> int:
         print(f"\nsingle-request latency (p50, OFF, C=1): {single:.1f} ms")
         for name, _ in configs[1:]:
             r = results[(name, cmax)]
-            ratio = r["qps"] / results[("OFF", cmax)]["qps"]
+            ratio = med(ratios(name, cmax))
             print(f"{name:<10} C={cmax}: p99 {r['p99']:.1f} ms = {r['p99'] / single:.2f}x single "
                   f"latency; throughput {ratio:.2f}x OFF   goal: >= 3x throughput and p99 < 2x single"
                   f" -> throughput {'MET' if ratio >= 3 else 'NOT MET'}, p99 "
@@ -280,20 +322,25 @@ def main(argv=None) -> int:
         print(f"(Little's law: closed-loop mean latency = C / throughput, so p99 < 2x single at "
               f"C={cmax} needs >= {cmax / 2:.0f}x the single-request throughput)")
 
+    if 1 in levels:
+        capacity, cap_what = results[("OFF", 1)]["qps"], "OFF C=1 throughput"
+    else:
+        capacity, cap_what = 1e3 / table[0][1], f"1 / batch-{table[0][0]} device call"
+    rates = [x * capacity for x in loads]
     if rates:
         print(f"\nOpen loop (Poisson arrivals, {args.open_loop_requests} requests per cell; latency = "
-              f"arrival -> vector):")
-        header = (f"{'config':<12}{'offered q/s':>12}{'served q/s':>12}{'p50 ms':>9}{'p99 ms':>10}"
-                  f"{'mean batch':>12}{'other cpu':>11}")
+              f"arrival -> vector; load = offered rate / {cap_what} of {capacity:.1f} q/s):")
+        header = (f"{'config':<12}{'load':>6}{'offered q/s':>12}{'served q/s':>12}{'p50 ms':>9}"
+                  f"{'p99 ms':>10}{'mean batch':>12}{'other cpu':>11}")
         print(header)
         print("-" * len(header))
-        for rate in rates:
+        for load, rate in zip(loads, rates):
             for name, mb in configs:
                 with CpuMonitor() as mon:
                     r = asyncio.run(open_loop(embedder, texts, costs, rate, args.open_loop_requests,
                                               mb, args.max_wait_ms, args.max_tokens, args.seed))
-                print(f"{name:<12}{rate:>12.0f}{r['qps']:>12.1f}{r['p50']:>9.1f}{r['p99']:>10.1f}"
-                      f"{r['mean_batch']:>12.1f}{fmt_other(mon.other_cores):>11}")
+                print(f"{name:<12}{load:>6.2f}{rate:>12.1f}{r['qps']:>12.1f}{r['p50']:>9.1f}"
+                      f"{r['p99']:>10.1f}{r['mean_batch']:>12.1f}{fmt_other(mon.other_cores):>11}")
     return 0
 
 

@@ -60,9 +60,12 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--mode", choices=["hybrid", "dense", "lexical"], default="hybrid")
     p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--depth", type=int, default=0,
+                   help="dense_depth and lexical_depth of every request (0: the server default, 100)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    p.add_argument("--rebuild", action="store_true", help="rebuild the collections even if present")
     args = p.parse_args(argv)
     args.shard_counts = [int(x) for x in args.shards.split(",") if x.strip()]
     return args
@@ -71,12 +74,13 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    names = ensure_collections(args.shard_counts, args.data_dir)
+    names = ensure_collections(args.shard_counts, args.data_dir, rebuild=args.rebuild)
     queries = load_queries()
     print(f"bench_fanout: shard counts {args.shard_counts} (1 replica each), mode {args.mode}, "
-          f"top_k {args.top_k}, closed loop x{args.concurrency}, {args.requests} measured requests "
+          f"top_k {args.top_k}, depth {args.depth or 'server default (100)'}, closed loop "
+          f"x{args.concurrency}, {args.requests} measured requests "
           f"per shard count in {args.rounds} interleaved rounds", flush=True)
-    reqs = search_requests("", queries, args.requests, args.mode, args.top_k, args.seed)
+    reqs = search_requests("", queries, args.requests, args.mode, args.top_k, args.seed, args.depth)
     per_round = np.array_split(np.arange(args.requests), args.rounds)
     clusters: dict[int, Cluster] = {}
     lat = {n: [] for n in args.shard_counts}
@@ -90,7 +94,8 @@ def main(argv=None) -> int:
                                   log=lambda m, n=n: print(f"[{n} shard(s)] {m}", flush=True))
             clusters[n].start()
         for n, c in clusters.items():
-            errs = warm_up(c.address, names[n], queries, args.mode, args.top_k, args.concurrency)
+            # 16 at once lets the router's micro-batcher embed the queries in batches
+            errs = warm_up(c.address, names[n], queries, args.mode, args.top_k, 16, args.depth)
             if errs:
                 print(f"[{n} shard(s)] warm-up errors: {errs}")
         for r in range(args.rounds):

@@ -75,19 +75,24 @@ def parse_args(argv=None):
     p.add_argument("--delay-ms", type=float, default=100.0)
     p.add_argument("--mode", choices=["lexical", "dense", "hybrid"], default="lexical")
     p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--depth", type=int, default=0,
+                   help="dense_depth and lexical_depth of every request (0: the server default, 100); "
+                        "each shard returns this many candidates with their text, which sets the "
+                        "fast-path latency")
     p.add_argument("--hedge-budget", type=float, default=None, help="router --hedge-budget (default: router's 0.05)")
     p.add_argument("--hedge-min-ms", type=float, default=None)
     p.add_argument("--hedge-max-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--timeout", type=float, default=10.0, help="per-request deadline, s")
     p.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    p.add_argument("--rebuild", action="store_true", help="rebuild the collection even if present")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    collection = ensure_collections([args.shards], args.data_dir)[args.shards]
+    collection = ensure_collections([args.shards], args.data_dir, rebuild=args.rebuild)[args.shards]
     queries = load_queries()
 
     def shard_flags(shard: int, replica: int) -> list[str]:
@@ -104,7 +109,8 @@ def main(argv=None) -> int:
     configs = {"unhedged": ["--no-hedge"], "hedged": hedge_flags}
     print(f"bench_hedging: collection {collection}, {args.shards} shard(s) x 2 replicas; replica 0 "
           f"of every shard delays {args.delay_prob:.0%} of its requests by {args.delay_ms:g} ms; "
-          f"mode {args.mode}, top_k {args.top_k}, closed loop x{args.concurrency}, "
+          f"mode {args.mode}, top_k {args.top_k}, depth {args.depth or 'server default (100)'}, "
+          f"closed loop x{args.concurrency}, "
           f"{args.requests} measured requests per configuration in {args.rounds} rounds; router "
           f"hedge flags: {' '.join(hedge_flags) or '(defaults)'}", flush=True)
 
@@ -114,7 +120,8 @@ def main(argv=None) -> int:
     deltas = {k: [] for k in configs}
     walls = {k: 0.0 for k in configs}
     cpu = {k: [] for k in configs}
-    reqs = search_requests(collection, queries, args.requests, args.mode, args.top_k, args.seed)
+    reqs = search_requests(collection, queries, args.requests, args.mode, args.top_k, args.seed,
+                           args.depth)
     per_round = np.array_split(np.arange(args.requests), args.rounds)
     try:
         for name, flags in configs.items():
@@ -122,7 +129,8 @@ def main(argv=None) -> int:
                                      flags, log=lambda m, n=name: print(f"[{n}] {m}", flush=True))
             clusters[name].start()
         for name, c in clusters.items():
-            errs = warm_up(c.address, collection, queries, args.mode, args.top_k, args.concurrency)
+            errs = warm_up(c.address, collection, queries, args.mode, args.top_k, args.concurrency,
+                           args.depth)
             if errs:
                 print(f"[{name}] warm-up errors: {errs}")
         order = []

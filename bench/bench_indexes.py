@@ -57,6 +57,37 @@ import faiss  # noqa: E402
 from server.backends.dense import (DenseIndex, SearchKnobs, build_dense, make_index,  # noqa: E402
                                    training_size)
 
+
+def _proc_stat() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far (Linux /proc/stat; zeros elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return 0.0, 0.0
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(v) - v[3] - v[4]) / hz, sum(v) / hz
+
+
+class ForeignLoad:
+    """CPU time other processes used while we ran: a noisy neighbour makes QPS meaningless."""
+
+    def __init__(self):
+        self.busy0, self.total0 = _proc_stat()
+        t = os.times()
+        self.own0 = t.user + t.system + t.children_user + t.children_system
+
+    def report(self) -> str:
+        busy, total = _proc_stat()
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system - self.own0
+        if total <= self.total0:
+            return "foreign CPU load: unknown (no /proc/stat)"
+        foreign = max(0.0, (busy - self.busy0) - own)
+        cap = total - self.total0
+        return (f"CPU used by OTHER processes during this run: {foreign:.1f} of {cap:.1f} "
+                f"core-seconds ({100 * foreign / cap:.0f}%); results are only clean when this is ~0%")
+
 INDEXES = ["Flat", "HNSW32,Flat", "IVF1024,PQ48x4fs,RFlat", "IVF1024,PQ48"]
 K = 10
 
@@ -150,6 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write results here (bench/results/)")
     args = p.parse_args(argv)
 
+    load = ForeignLoad()
     default_threads = faiss.omp_get_max_threads()
     build_threads = args.build_threads or default_threads
     knobs = SearchKnobs(nprobe=args.nprobe, ef_search=args.ef_search, k_factor=args.k_factor)
@@ -220,6 +252,7 @@ def main(argv=None) -> int:
               f"{r['qps_c1'] / flat['qps_c1']:>10.2f} {r['qps_c16'] / flat['qps_c16']:>11.2f}")
     print(f"\n(n={args.n}, dim={args.dim}, {args.queries} held-out queries, k={K}; recall vs exact "
           f"inner-product search; QPS = one-query DenseIndex.search calls, OpenMP threads = 1)")
+    print(load.report())
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)

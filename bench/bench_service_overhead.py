@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -55,6 +56,37 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+
+def _proc_stat() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far (Linux /proc/stat; zeros elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return 0.0, 0.0
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(v) - v[3] - v[4]) / hz, sum(v) / hz
+
+
+class ForeignLoad:
+    """CPU time other processes used while we ran: a noisy neighbour makes QPS meaningless."""
+
+    def __init__(self):
+        self.busy0, self.total0 = _proc_stat()
+        t = os.times()
+        self.own0 = t.user + t.system + t.children_user + t.children_system
+
+    def report(self) -> str:
+        busy, total = _proc_stat()
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system - self.own0
+        if total <= self.total0:
+            return "foreign CPU load: unknown (no /proc/stat)"
+        foreign = max(0.0, (busy - self.busy0) - own)
+        cap = total - self.total0
+        return (f"CPU used by OTHER processes during this run: {foreign:.1f} of {cap:.1f} "
+                f"core-seconds ({100 * foreign / cap:.0f}%); results are only clean when this is ~0%")
 
 COLLECTION = "bench"
 MODEL_ID = "bench-hash-embedder-384"
@@ -80,7 +112,7 @@ def run_closed_loop(call, items: list, concurrency: int, seconds: float, warmup:
     of server stage timings (ms), summarised as medians."""
     if initializer:
         initializer()
-    for it in items[:warmup]:
+    for it in items[:warmup]:  # callers that time CPU around this call warm up first, warmup=0
         call(it)
     stop_at = [0.0]
     start = threading.Barrier(concurrency + 1)
@@ -151,9 +183,11 @@ def client_main(args) -> int:
             # thread i uses stub i % channels; items carry their stub so the call stays trivial
             items = [(stubs[i % len(stubs)], r) for i, r in enumerate(reqs)]
             name = f"service depth={depth} c={c}"
+            for it in items[:cfg["warmup"]]:  # untimed, outside the CPU-time window
+                search(it)
             say(f"MARK {name} start")
             t_cpu = os.times()
-            res = run_closed_loop(search, items, c, cfg["seconds"], warmup=cfg["warmup"])
+            res = run_closed_loop(search, items, c, cfg["seconds"], warmup=0)
             t_cpu2 = os.times()
             say(f"MARK {name} end")
             res["client_cpu_s"] = (t_cpu2.user + t_cpu2.system) - (t_cpu.user + t_cpu.system)
@@ -285,6 +319,8 @@ def main(argv=None) -> int:
     p.add_argument("--omp-threads", type=int, default=0,
                    help="OpenMP threads per faiss call (0 = faiss default, as search-server does)")
     p.add_argument("--shard-threads", type=int, default=8, help="SearchConfig.shard_threads")
+    p.add_argument("--retrieval-cache", type=int, default=0,
+                   help="SearchConfig.retrieval_cache_size (default 0: off, every request searches)")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="build here and keep it (default: a temporary directory, removed)")
     p.add_argument("--seed", type=int, default=0)
@@ -299,6 +335,7 @@ def main(argv=None) -> int:
     from server.backends.device import Device
     from server.core.search import SearchConfig, SearchCore
 
+    load = ForeignLoad()
     tmp = None
     data_dir = args.data_dir
     if data_dir is None:
@@ -311,8 +348,13 @@ def main(argv=None) -> int:
         print(f"built Flat collection: {info['chunks']} chunks x {args.dim}-d in "
               f"{info['seconds']:.1f} s (audit recall {info['audit_recall']:.3f}) at {data_dir}")
 
+        extra = {}
+        if "retrieval_cache_size" in {f.name for f in dataclasses.fields(SearchConfig)}:
+            # the server caches whole results by (query vector, knobs, index version); cycling a
+            # fixed query set would measure cache hits, so the cache is off unless asked for
+            extra["retrieval_cache_size"] = args.retrieval_cache
         config = SearchConfig(data_dir=data_dir, collections=[COLLECTION],
-                              shard_threads=args.shard_threads)
+                              shard_threads=args.shard_threads, **extra)
         core = SearchCore(config, None, None, Device("cpu"))
         if args.omp_threads:
             # OpenMP's thread count is per calling thread, so set it in the shard worker threads
@@ -335,9 +377,13 @@ def main(argv=None) -> int:
         results = []
         for c in args.concurrency:
             items = [q[None, :] for q in queries]
+            if init:
+                init()
+            for q in items[:args.warmup]:  # untimed, outside the CPU-time window
+                dense.search(q, base_k)
             t_cpu = cpu_now()
             res = run_closed_loop(lambda q: dense.search(q, base_k), items, c, args.seconds,
-                                  warmup=args.warmup, initializer=init)
+                                  warmup=0, initializer=init)
             res["server_cpu_s"] = cpu_now() - t_cpu
             res.update(name=f"in-process k={base_k} c={c}", depth=None, concurrency=c)
             results.append(res)
@@ -377,6 +423,7 @@ def main(argv=None) -> int:
                       f"{args.top_k}: {got[:3]}... vs {expected[:3]}...")
 
         report(results, args, base_k, info)
+        print(load.report())
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
@@ -423,7 +470,8 @@ def report(results: list[dict], args, base_k: int, info: dict) -> None:
     print(f"\n({info['chunks']} docs x {args.dim}-d, Flat, inner product, top_k {args.top_k}; "
           f"{args.seconds:.0f} s per level after {args.warmup} warm-up requests; client: separate "
           f"process, sync gRPC stub, {args.channels} channel(s), one thread per concurrent request; "
-          f"server: grpc.aio in-process with SearchCore, {args.shard_threads} shard threads; "
+          f"server: grpc.aio in-process with SearchCore, {args.shard_threads} shard threads, "
+          f"retrieval cache {args.retrieval_cache or 'off'}; "
           f"CPU us/req = process CPU time (user+sys) during the level / requests; srv dense / srv "
           f"total p50 = medians of the stage timings the server reports in SearchResponse.timings: "
           f"faiss+shard time, and SearchCore time from validation to assembly; p50 minus srv "

@@ -177,9 +177,20 @@ def main(argv=None) -> int:
           f"rerank_depth {args.rerank_depth}, include_trace False, sequential; batcher max_wait_ms "
           f"{args.batch_max_wait_ms}")
 
-    srv = start_core_server(data_dir, embedder, reranker,
-                            embed_max_wait_ms=args.batch_max_wait_ms,
-                            rerank_max_wait_ms=args.batch_max_wait_ms)
+    server_config = dict(embed_max_wait_ms=args.batch_max_wait_ms,
+                         rerank_max_wait_ms=args.batch_max_wait_ms)
+    try:
+        srv = start_core_server(data_dir, embedder, reranker, **server_config)
+    except Exception as exc:
+        if how != "reused":
+            raise
+        # the server code moved on since the cached build (e.g. a new on-disk format): rebuild once
+        print(f"the cached build cannot be served by the current code ({type(exc).__name__}: {exc}); "
+              f"rebuilding")
+        desc, how = ensure_collection(data_dir, args.collection, docs, embedder, args.factory,
+                                      args.shards, True)
+        print(f"collection {args.collection!r} build {desc.build_id}: {desc.chunks} chunks ({how})")
+        srv = start_core_server(data_dir, embedder, reranker, **server_config)
     try:
         with grpc.insecure_channel(srv.address) as ch:
             stub = pb_grpc.SearchServiceStub(ch)

@@ -22,7 +22,7 @@ from index_builder.corpus import Document
 from server.backends.dense import DenseIndex, build_dense, make_index, training_size
 from server.backends.docstore import PUBLIC_ACL, ChunkRecord, DocStore
 from server.backends.lexical import ANALYZER_VERSION, LexicalIndex
-from server.core.chunking import CHUNKER_VERSION, chunk_id, chunk_text, shard_of
+from server.core.chunking import CHUNKER_VERSION, chunk_id, chunk_text, embed_text, shard_of
 from server.core.collection import NAME, CollectionStore, ReleaseDescriptor, check_name
 from server.core.shards import shard_dir_name
 
@@ -38,11 +38,6 @@ class PendingChunk:
     text: str
     chunk_id: int
     shard: int
-
-
-def embed_text(title: str, text: str) -> str:
-    """What the embedder reads for a chunk: the document title gives short chunks their topic."""
-    return f"{title}. {text}" if title else text
 
 
 def _progress(total: int, desc: str, quiet: bool):
@@ -142,8 +137,8 @@ def _build(docs, store, collection, embedder, factory, shards, metric, search_de
         store_.insert_chunks(records)
         shard_docs = {}
         for i in members:
-            shard_docs[chunks[i].doc.doc_id] = chunks[i].doc.tenant
-        store_.insert_documents((d, 1, t) for d, t in shard_docs.items())
+            shard_docs[chunks[i].doc.doc_id] = (chunks[i].doc.version, chunks[i].doc.tenant)
+        store_.insert_documents((d, v, t) for d, (v, t) in shard_docs.items())
         store_.set_meta("corpus_version", corpus_version)
         store_.set_meta("build_id", build_id)
         counts = store_.counts()

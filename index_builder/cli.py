@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tenants owning at least this many chunks of a shard get their own index")
     b.add_argument("--embedder", type=Path, default=None,
                    help="local model directory (default: the packaged all-MiniLM-L6-v2)")
+    b.add_argument("--embedder-name", default=None, help="model name for the model id")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     b.add_argument("--build-id", default=None)
     b.add_argument("--audit", action="store_true", help="audit recall after building")
@@ -106,7 +107,7 @@ def cmd_build(args) -> int:
     from server.core.collection import CollectionStore
 
     store = CollectionStore(args.data_dir)
-    embedder = Embedder(args.embedder, Device(args.device))
+    embedder = Embedder(args.embedder, Device(args.device), model_name=args.embedder_name)
     docs = read_corpus(args.corpus, args.tenant)
     if args.limit:
         docs = islice(docs, args.limit)

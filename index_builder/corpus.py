@@ -18,6 +18,7 @@ class Document:
     metadata: dict = field(default_factory=dict)
     tenant: str = "default"
     acl: tuple = ()  # scopes allowed to read it; empty = every caller of its tenant
+    version: int = 1
 
 
 def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Document]:
@@ -42,7 +43,8 @@ def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Documen
                     raise ValueError("acl must be a list of scope names")
                 yield Document(str(doc_id), str(obj["text"]), str(obj.get("title") or ""),
                                {str(k): str(v) for k, v in meta.items()},
-                               str(obj.get("tenant") or default_tenant), tuple(str(a) for a in acl))
+                               str(obj.get("tenant") or default_tenant), tuple(str(a) for a in acl),
+                               int(obj.get("version") or 1))
             except ValueError as exc:
                 raise ValueError(f"{path}:{lineno}: {exc}") from None
 

@@ -113,14 +113,22 @@ def _published(store, name: str) -> bool:
 
 
 def ensure_collections(shard_counts: Iterable[int], data_dir: Path = DATA_DIR,
-                       corpus: Path = CRANFIELD, log=print) -> dict[int, str]:
-    """{shards: collection name}; builds (and publishes) the missing ones, embedding at most once."""
+                       corpus: Path = CRANFIELD, log=print, rebuild: bool = False) -> dict[int, str]:
+    """{shards: collection name}; builds (and publishes) the missing ones, embedding at most once.
+
+    rebuild=True deletes those collections first (e.g. after a change to the on-disk format: the
+    embedding cache survives, so a rebuild takes seconds)."""
+    import shutil
+
     from server.core.collection import CollectionStore
 
     data_dir = Path(data_dir)
     store = CollectionStore(data_dir)
     counts = sorted(set(int(n) for n in shard_counts))
     names = {n: collection_name(n) for n in counts}
+    if rebuild:
+        for n in counts:
+            shutil.rmtree(store.collection_dir(names[n]), ignore_errors=True)
     missing = [n for n in counts if not _published(store, names[n])]
     if not missing:
         return names
@@ -190,7 +198,9 @@ class ServerProcess:
                 break
         if self.port is None:
             tail = "\n".join(self.lines)
-            raise RuntimeError(f"{self.name} did not start (exit code {self.proc.poll()}):\n{tail}")
+            raise RuntimeError(f"{self.name} did not start (exit code {self.proc.poll()}):\n{tail}\n"
+                               "(if it failed reading a build made by an older index builder, "
+                               "rerun with --rebuild: embeddings are cached, it takes seconds)")
         return self
 
     @property
@@ -351,8 +361,8 @@ MODES = {"dense": 1, "lexical": 2, "hybrid": 3}  # pb.SearchMode values
 
 
 def search_requests(collection: str, queries: Sequence[str], n: int, mode: str = "hybrid",
-                    top_k: int = 10, seed: int = 0) -> list:
-    """n SearchRequests cycling through a seeded shuffle of the queries."""
+                    top_k: int = 10, seed: int = 0, depth: int = 0) -> list:
+    """n SearchRequests cycling through a seeded shuffle of the queries (depth 0: server default)."""
     import random
 
     from server.rpc import search_pb2 as pb
@@ -360,7 +370,8 @@ def search_requests(collection: str, queries: Sequence[str], n: int, mode: str =
     qs = list(queries)
     random.Random(seed).shuffle(qs)
     return [pb.SearchRequest(collection=collection, text=qs[i % len(qs)], top_k=top_k,
-                             mode=MODES[mode]) for i in range(n)]
+                             mode=MODES[mode], dense_depth=depth, lexical_depth=depth)
+            for i in range(n)]
 
 
 async def _closed_loop(address: str, reqs: Sequence, concurrency: int, timeout: float):
@@ -404,8 +415,8 @@ def closed_loop(address: str, reqs: Sequence, concurrency: int = 8, timeout: flo
 
 
 def warm_up(address: str, collection: str, queries: Sequence[str], mode: str, top_k: int = 10,
-            concurrency: int = 4) -> dict:
+            concurrency: int = 4, depth: int = 0) -> dict:
     """Every distinct query once (fills the router's query-embedding cache), then a second pass."""
-    reqs = search_requests(collection, queries, 2 * len(queries), mode, top_k, seed=12345)
+    reqs = search_requests(collection, queries, 2 * len(queries), mode, top_k, 12345, depth)
     _, errors, _ = closed_loop(address, reqs, concurrency, timeout=60.0)
     return errors

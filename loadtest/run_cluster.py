@@ -82,6 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--delay-ms", type=float, default=50.0, help="slow-replica: added delay")
     p.add_argument("--seed", type=int, default=1, help="fault-injection seed")
     p.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    p.add_argument("--rebuild", action="store_true", help="rebuild the collection even if present")
     p.add_argument("--csv-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     args.run_seconds = seconds(args.run_time)
@@ -134,7 +135,7 @@ def read_locust_results(prefix: Path) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    names = ensure_collections([args.shards], args.data_dir)
+    names = ensure_collections([args.shards], args.data_dir, rebuild=args.rebuild)
     collection = names[args.shards]
     queries = load_queries()
 
@@ -208,7 +209,10 @@ def main(argv=None) -> int:
               f"{(d['hedges_won'] / d['hedges_sent']) if d['hedges_sent'] else float('nan'):.0%}")
     for (shard, replica), v in sorted(d["per_replica"].items()):
         if v:
-            print(f"  shard {shard} replica {replica}: {v:.0f} successful calls")
+            idx = next((r for r in range(args.replicas)
+                        if cluster.replica_address(int(shard), r) == replica), "?")
+            slow = " (fault-injected)" if args.scenario == "slow-replica" and idx == 0 else ""
+            print(f"  shard {shard} replica {idx} {replica}{slow}: {v:.0f} successful calls")
     errs = {k: v for k, v in d["shard_errors"].items() if v}
     if errs:
         print(f"  shard call errors: {errs}")

@@ -36,6 +36,9 @@ def _data_dir(s: argparse.ArgumentParser) -> None:
 def _models(s: argparse.ArgumentParser) -> None:
     s.add_argument("--embedder", type=Path, default=None,
                    help="local model directory (default: the packaged all-MiniLM-L6-v2)")
+    s.add_argument("--embedder-name", default=None,
+                   help="model name for the model id (default: the directory name); the id must "
+                        "equal the one the collection was built with")
     s.add_argument("--embedder-backend", choices=["torch", "onnx"], default="torch")
     s.add_argument("--reranker", type=Path, default=None,
                    help="local directory of a Hugging Face cross-encoder (enables rerank_depth)")
@@ -100,7 +103,7 @@ def _make_core(args, data_dir, device):
     from server.backends.models import CrossEncoder, Embedder
     from server.core.search import SearchConfig, SearchCore
 
-    embedder = Embedder(args.embedder, device, args.embedder_backend)
+    embedder = Embedder(args.embedder, device, args.embedder_backend, model_name=args.embedder_name)
     reranker = CrossEncoder(args.reranker, device, args.reranker_backend) if args.reranker else None
     config = SearchConfig(data_dir=data_dir, max_inflight=args.max_inflight,
                           rerank_cap=args.rerank_cap, embed_max_batch=args.batch_max_size,

@@ -126,3 +126,15 @@ def test_gpu_flat_matches_cpu(data):
     assert where.startswith("cuda")
     _, rows = DenseIndex(gpu, idx.row_ids, "ip", placement=where).search(q, K)
     assert recall(rows, gt) >= 0.999
+
+
+def test_bitmap_selector_excludes_rows_added_after_the_mask(data):
+    """Regression: the bitmap's size was passed in bits where faiss expects bytes, so rows added
+    after a mask was made were tested against memory past the bitmap."""
+    x, q, _ = data
+    idx = build("Flat", x[:1000])
+    mask = np.ones(1000, bool)
+    rf = RowFilter(mask)
+    idx.add(x[1000:1100], np.arange(1000, 1100, dtype=np.int64))
+    _, rows = idx.search(x[1000:1010], 5, rf)
+    assert (rows < 1000).all()

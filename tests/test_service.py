@@ -151,11 +151,26 @@ def test_oversized_message_is_refused_by_the_transport(stub, channel):
     assert healthy(channel)
 
 
-def test_upserts_are_refused_clearly_until_streaming_ingest_exists(stub):
+BAD_WRITES = {
+    "empty doc id": (dict(doc_id="", version=1, text="x"), "doc_id"),
+    "version zero": (dict(doc_id="d", version=0, text="x"), "version"),
+    "empty text": (dict(doc_id="d", version=1, text="  "), "non-empty text"),
+    "bad metadata key": (dict(doc_id="d", version=1, text="x", metadata={"a b": "1"}), "key"),
+    "bad acl scope": (dict(doc_id="d", version=1, text="x", acl=["*"]), "acl"),
+    "control chars in id": (dict(doc_id="a\x00b", version=1, text="x"), "doc_id"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_WRITES))
+def test_bad_writes_are_refused_and_change_nothing(case, stub, admin):
+    fields, words = BAD_WRITES[case]
+    before = admin.CollectionStats(pb.CollectionStatsRequest(collection="cran"), timeout=10)
     with pytest.raises(grpc.RpcError) as err:
-        stub.UpsertDocument(pb.UpsertDocumentRequest(collection="cran", doc_id="1", version=2,
-                                                     text="x"), timeout=10)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        stub.UpsertDocument(pb.UpsertDocumentRequest(collection="cran", **fields), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in err.value.details()
+    after = admin.CollectionStats(pb.CollectionStatsRequest(collection="cran"), timeout=10)
+    assert (before.documents, before.chunks, before.vectors) == (after.documents, after.chunks, after.vectors)
 
 
 def test_admin_describes_the_live_build_and_reports_stage_percentiles(admin, stub, small_collection):

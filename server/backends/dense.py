@@ -123,6 +123,13 @@ class DenseIndex:
         scores[rows < 0] = -np.inf
         return scores, rows
 
+    def add(self, vectors: np.ndarray, chunk_ids: np.ndarray) -> int:
+        """Append rows (streaming upserts); returns the first new row number."""
+        first = self.ntotal
+        self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
+        self.row_ids = np.concatenate([self.row_ids, np.asarray(chunk_ids, dtype=np.int64)])
+        return first
+
     def chunk_ids(self, rows: np.ndarray) -> np.ndarray:
         out = np.full(rows.shape, -1, np.int64)
         ok = rows >= 0
@@ -187,7 +194,9 @@ class RowFilter:
         self.mask = mask
         self.count = int(mask.sum())
         self._bits = np.packbits(mask, bitorder="little")  # faiss reads bit i of byte i>>3
-        self.selector = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(self._bits))
+        # n is the bitmap's size in BYTES: rows past the mask (added after it was made) read as
+        # "not allowed" instead of reading past the buffer
+        self.selector = faiss.IDSelectorBitmap(len(self._bits), faiss.swig_ptr(self._bits))
         self._rows: Optional[np.ndarray] = None
 
     @property
@@ -197,7 +206,7 @@ class RowFilter:
         return self._rows
 
 
-def exact_search(vectors: np.ndarray, rows: np.ndarray, query: np.ndarray, k: int,
+def exact_search(vectors, rows: np.ndarray, query: np.ndarray, k: int,
                  metric: str) -> tuple[np.ndarray, np.ndarray]:
     """Brute force over the given rows only: exact, and a full page whenever k rows are allowed.
 

@@ -22,7 +22,8 @@ from server.errors import IndexCorruptError, InvalidArgument
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS chunks (
     row          INTEGER PRIMARY KEY,      -- the dense index row (faiss sequential id)
-    chunk_id     INTEGER NOT NULL UNIQUE,  -- deterministic hash of (doc_id, chunk_index)
+    chunk_id     INTEGER NOT NULL,         -- deterministic hash of (doc_id, chunk_index)
+    version      INTEGER NOT NULL DEFAULT 1,
     doc_id       TEXT    NOT NULL,
     chunk_index  INTEGER NOT NULL,
     start_offset INTEGER NOT NULL,
@@ -32,18 +33,33 @@ CREATE TABLE IF NOT EXISTS chunks (
     tenant       TEXT    NOT NULL,
     acl          TEXT    NOT NULL DEFAULT '["@all"]',  -- JSON list of scopes
     metadata     TEXT    NOT NULL DEFAULT '{}',
-    live         INTEGER NOT NULL DEFAULT 1
+    live         INTEGER NOT NULL DEFAULT 1,  -- 0 pending, 1 live, 2 dead (replaced/deleted), 3 orphan
+    purged       INTEGER NOT NULL DEFAULT 0,  -- 1 once a dead/orphan row left the lexical index
+    vector       BLOB                         -- float32 vector of rows added after the build
 );
-CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id);
+CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, live);
 CREATE INDEX IF NOT EXISTS chunks_tenant ON chunks(tenant, live);
+CREATE UNIQUE INDEX IF NOT EXISTS chunks_live_id ON chunks(chunk_id) WHERE live = 1;
 CREATE TABLE IF NOT EXISTS documents (
     doc_id  TEXT PRIMARY KEY,
     version INTEGER NOT NULL,
     tenant  TEXT NOT NULL,
-    live    INTEGER NOT NULL DEFAULT 1
+    live    INTEGER NOT NULL DEFAULT 1,   -- 0: deleted at `version` (a tombstone: older writes are no-ops)
+    source_modified_at REAL,
+    ingested_at REAL
+);
+-- every applied write, in order: replayed into a new build before its alias flip
+CREATE TABLE IF NOT EXISTS writes (
+    seq     INTEGER PRIMARY KEY AUTOINCREMENT,
+    op      TEXT NOT NULL,                -- upsert | delete
+    doc_id  TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    body    TEXT NOT NULL                 -- JSON: tenant, title, text, metadata, acl, times
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+
+PENDING, LIVE, DEAD, ORPHAN = 0, 1, 2, 3
 
 FILTER_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 PUBLIC_ACL = "@all"
@@ -111,6 +127,111 @@ class DocStore:
             conn.execute("ROLLBACK")
             raise
 
+    # --- streaming writes (server/core/shards.py LocalShard.apply_write) ----------------------
+    def document(self, doc_id: str) -> Optional[tuple[int, str, int]]:
+        """(version, tenant, live) of a document, tombstones included; None if never seen."""
+        return self._conn().execute("SELECT version, tenant, live FROM documents WHERE doc_id=?",
+                                    (doc_id,)).fetchone()
+
+    def next_row(self) -> int:
+        return (self._conn().execute("SELECT max(row) FROM chunks").fetchone()[0] or -1) + 1
+
+    def insert_pending(self, records: Sequence[ChunkRecord], version: int,
+                       vectors: np.ndarray) -> None:
+        """Write a new version's chunks, invisible (pending), with their vectors: durable first."""
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.executemany(
+                "INSERT INTO chunks(row, chunk_id, version, doc_id, chunk_index, start_offset, "
+                "end_offset, title, text, tenant, acl, metadata, live, vector) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,0,?)",
+                [(r.row, r.chunk_id, version, r.doc_id, r.chunk_index, r.start_offset, r.end_offset,
+                  r.title, r.text, r.tenant, json.dumps(sorted(r.acl)),
+                  json.dumps(r.metadata, sort_keys=True),
+                  np.ascontiguousarray(v, dtype=np.float32).tobytes())
+                 for r, v in zip(records, vectors)])
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def flip(self, op: str, doc_id: str, version: int, tenant: str, new_rows: Sequence[int],
+             body: dict) -> Optional[list[int]]:
+        """THE visibility change, one transaction: the document's live rows die, `new_rows` go
+        live, the document's version moves, the write is logged and index_version moves.
+        Returns the rows that died, or None when `version` is not newer than the stored one."""
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            cur = conn.execute("SELECT version FROM documents WHERE doc_id=?", (doc_id,)).fetchone()
+            if cur is not None and cur[0] >= version:
+                conn.execute("ROLLBACK")
+                return None
+            dead = [r[0] for r in conn.execute("SELECT row FROM chunks WHERE doc_id=? AND live=1",
+                                               (doc_id,))]
+            conn.execute(f"UPDATE chunks SET live={DEAD} WHERE doc_id=? AND live=1", (doc_id,))
+            if new_rows:
+                conn.execute(f"UPDATE chunks SET live={LIVE} WHERE row IN "
+                             f"({','.join('?' * len(new_rows))})", list(new_rows))
+            conn.execute("INSERT INTO documents(doc_id, version, tenant, live, source_modified_at, "
+                         "ingested_at) VALUES (?,?,?,?,?,?) ON CONFLICT(doc_id) DO UPDATE SET "
+                         "version=excluded.version, tenant=excluded.tenant, live=excluded.live, "
+                         "source_modified_at=excluded.source_modified_at, "
+                         "ingested_at=excluded.ingested_at",
+                         (doc_id, version, tenant, 1 if op == "upsert" else 0,
+                          body.get("source_modified_at"), body.get("ingested_at")))
+            conn.execute("INSERT INTO writes(op, doc_id, version, body) VALUES (?,?,?,?)",
+                         (op, doc_id, version, json.dumps(body)))
+            conn.execute("INSERT INTO meta(key, value) VALUES ('index_version', '1') "
+                         "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
+            conn.execute("COMMIT")
+            return dead
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def orphan_pending(self) -> int:
+        """Recovery: pending rows whose flip never happened become orphans (never served)."""
+        cur = self._conn().execute(f"UPDATE chunks SET live={ORPHAN} WHERE live={PENDING}")
+        return cur.rowcount
+
+    def unpurged(self) -> list[int]:
+        return [r[0] for r in self._conn().execute(
+            f"SELECT row FROM chunks WHERE live IN ({DEAD},{ORPHAN}) AND purged=0")]
+
+    def mark_purged(self, rows: Sequence[int]) -> None:
+        if rows:
+            self._conn().execute(f"UPDATE chunks SET purged=1 WHERE row IN ({','.join('?' * len(rows))})",
+                                 list(rows))
+
+    def added_vectors(self, first_row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, chunk ids, vectors) of every row from `first_row` on, in row order."""
+        rows, ids, vecs = [], [], []
+        for row, cid, blob in self._conn().execute(
+                "SELECT row, chunk_id, vector FROM chunks WHERE row >= ? ORDER BY row", (first_row,)):
+            rows.append(row)
+            ids.append(cid)
+            vecs.append(np.frombuffer(blob, dtype=np.float32))
+        dim = len(vecs[0]) if vecs else 0
+        return (np.array(rows, np.int64), np.array(ids, np.int64),
+                np.vstack(vecs) if vecs else np.zeros((0, dim), np.float32))
+
+    def index_version(self) -> int:
+        v = self.get_meta("index_version")
+        return int(v) if v else 0
+
+    def write_log(self, after_seq: int = 0) -> list[tuple[int, str, str, int, dict]]:
+        return [(s, op, d, v, json.loads(b)) for s, op, d, v, b in self._conn().execute(
+            "SELECT seq, op, doc_id, version, body FROM writes WHERE seq > ? ORDER BY seq", (after_seq,))]
+
+    def row_states(self) -> dict[str, int]:
+        names = {PENDING: "pending", LIVE: "live", DEAD: "dead", ORPHAN: "orphan"}
+        out = {n: 0 for n in names.values()}
+        for state, n in self._conn().execute("SELECT live, count(*) FROM chunks GROUP BY live"):
+            out[names[state]] = n
+        return out
+
     def insert_documents(self, docs: Iterable[tuple[str, int, str]]) -> None:
         conn = self._conn()
         conn.execute("BEGIN")
@@ -144,10 +265,15 @@ class DocStore:
             (json.dumps([PUBLIC_ACL]),)).fetchall())
 
     def allowed_mask(self, nrows: int, tenant: Optional[str], filters: Sequence = (),
-                     acl_scopes: Optional[Sequence[str]] = None) -> np.ndarray:
-        """Boolean mask over rows: live, owned by `tenant` (None = any), readable with `acl_scopes`
-        (None = no ACL check), passing every filter (objects with key, any_of, gte, lte)."""
-        where, args = ["live=1"], []
+                     acl_scopes: Optional[Sequence[str]] = None, live_only: bool = True,
+                     first_row: int = 0) -> np.ndarray:
+        """Boolean mask over rows [first_row, nrows): owned by `tenant` (None = any), readable with
+        `acl_scopes` (None = no ACL check), passing every filter (objects with key, any_of, gte,
+        lte), and live unless live_only=False (rows never change but their liveness does, so the
+        shard caches the rest and ANDs its in-memory live bitmap)."""
+        where, args = ["row >= ?", "row < ?"], [first_row, nrows]
+        if live_only:
+            where.append("live=1")
         if tenant is not None:
             where.append("tenant=?")
             args.append(tenant)
@@ -168,17 +294,22 @@ class DocStore:
                 where.append(f"{path} <= ?")
                 args.append(f.lte)
         rows = self._conn().execute(f"SELECT row FROM chunks WHERE {' AND '.join(where)}", args)
-        mask = np.zeros(nrows, dtype=bool)
+        mask = np.zeros(nrows - first_row, dtype=bool)
         idx = np.fromiter((r[0] for r in rows), dtype=np.int64)
-        mask[idx[idx < nrows]] = True
+        mask[idx - first_row] = True
         return mask
 
+    def live_rows(self) -> np.ndarray:
+        return np.fromiter((r[0] for r in self._conn().execute("SELECT row FROM chunks WHERE live=1")),
+                           dtype=np.int64)
+
     def fetch(self, rows: Sequence[int]) -> dict[int, ChunkRecord]:
+        """Records of the given rows that are live now (the final visibility check)."""
         if not rows:
             return {}
         out = {}
         q = ("SELECT row, chunk_id, doc_id, chunk_index, start_offset, end_offset, title, text, "
-             f"tenant, metadata, acl FROM chunks WHERE row IN ({','.join('?' * len(rows))})")
+             f"tenant, metadata, acl FROM chunks WHERE live=1 AND row IN ({','.join('?' * len(rows))})")
         for r in self._conn().execute(q, [int(x) for x in rows]):
             out[r[0]] = ChunkRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8],
                                     json.loads(r[9]), tuple(json.loads(r[10])))

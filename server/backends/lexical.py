@@ -95,6 +95,29 @@ class LexicalIndex:
             self.index.reload()
         return n
 
+    def writer(self):
+        """A long-lived writer for streaming writes (one per index: tantivy locks the directory)."""
+        if getattr(self, "_writer", None) is None:
+            self._writer = self.index.writer(heap_size=32_000_000, num_threads=1)
+        return self._writer
+
+    def add_committed(self, rows) -> None:
+        """Add chunks and commit (durable), then make them searchable (the caller masks them until
+        the store says they are live)."""
+        w = self.writer()
+        self.add(rows, writer=w)
+        w.commit()
+        self.index.reload()
+
+    def delete_rows(self, rows: Sequence[int]) -> None:
+        if not rows:
+            return
+        w = self.writer()
+        for r in rows:
+            w.delete_documents_by_term("row", int(r))
+        w.commit()
+        self.index.reload()
+
     def num_docs(self) -> int:
         return int(self.index.searcher().num_docs)
 

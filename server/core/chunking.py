@@ -41,6 +41,11 @@ def chunk_text(text: str, words: int = CHUNK_WORDS, overlap: int = OVERLAP_WORDS
         start_word += step
 
 
+def embed_text(title: str, text: str) -> str:
+    """What the embedder reads for a chunk: the document title gives short chunks their topic."""
+    return f"{title}. {text}" if title else text
+
+
 def chunk_id(doc_id: str, index: int) -> int:
     """A 63-bit id, a pure function of (doc_id, chunk_index): replays produce the same ids."""
     digest = hashlib.blake2b(f"{doc_id}\x00{index}".encode(), digest_size=8).digest()

@@ -31,6 +31,15 @@ BATCH_SIZE = Histogram("search_batch_size", "Items per device call", ["model"], 
 QUEUE_DEPTH = Gauge("search_batch_queue_depth", "Items waiting for a device call", ["model"])
 BATCH_DROPPED = Counter("search_batch_dropped_total", "Queued items dropped before the device call",
                         ["model", "reason"])
+TOMBSTONE_RATIO = Gauge("search_tombstone_ratio", "Dead or orphaned rows / all rows (compaction "
+                        "removes them)", ["collection", "shard"])
+ORPHANS = Gauge("search_orphan_rows", "Rows of writes that never became live", ["collection", "shard"])
+STALENESS = Histogram("search_staleness_seconds", "ingested_at - source_modified_at of written "
+                      "documents", buckets=tuple(0.01 * 2 ** i for i in range(24)))
+FRESHNESS = Histogram("search_write_visible_seconds", "Write received -> searchable (acknowledged)",
+                      buckets=LATENCY_BUCKETS)
+WRITES = Counter("search_writes_total", "Document writes by operation and outcome", ["op", "outcome"])
+RETRIEVAL_CACHE = Counter("search_retrieval_cache_total", "Retrieval cache lookups", ["result"])
 EMBED_CACHE = Counter("search_embedding_cache_total", "Query-embedding cache lookups", ["result"])
 
 

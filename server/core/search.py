@@ -26,7 +26,7 @@ from server.core.collection import CollectionStore, ReleaseDescriptor, check_nam
 from server.core.ranking import merge_topk, rrf
 from server.core.shards import LocalShard, Shard
 from server.core.types import (Candidate, Filter, RankedHit, SearchQuery, SearchResult, ShardQuery,
-                               ShardResult, TraceEntry)
+                               ShardResult, TraceEntry, WriteRequest)
 from server.errors import (CorpusVersionMismatch, DeadlineExceeded, FailedPrecondition,
                            InvalidArgument, ModelMismatch, NotFound, Overloaded, SearchError,
                            Unavailable)
@@ -52,6 +52,7 @@ class SearchConfig:
     rerank_max_tokens: int = 32768
     rerank_max_wait_ms: float = 2.0
     embedding_cache_size: int = 4096
+    retrieval_cache_size: int = 1024
     shard_threads: int = 8
     collections: Optional[Sequence[str]] = None  # None: every published collection
 
@@ -86,6 +87,8 @@ class SearchCore:
                                             config.rerank_max_tokens, config.rerank_max_wait_ms)
                                if reranker is not None else None)
         self._embed_cache: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+        self._retrieval_cache: OrderedDict[tuple, SearchResult] = OrderedDict()
+        self._writers: dict[tuple[str, int], ThreadPoolExecutor] = {}
         self.inflight = 0
         self.ready = False
 
@@ -122,6 +125,8 @@ class SearchCore:
             if b is not None:
                 await b.close()
         self.executor.shutdown(wait=True)
+        for w in self._writers.values():
+            w.shutdown(wait=True)
         for c in self.collections.values():
             for s in c.shards:
                 close = getattr(s, "close", None)
@@ -140,8 +145,13 @@ class SearchCore:
         return loaded
 
     def stats(self, name: str) -> dict:
+        """Live counts from the shards' stores where local (writes move them), else the build's."""
         c = self.collection(name)
-        return {"documents": c.desc.documents, "chunks": c.desc.chunks,
+        docs, chunks = c.desc.documents, c.desc.chunks
+        if all(hasattr(s, "store") for s in c.shards):
+            counts = [s.store.counts() for s in c.shards]
+            docs, chunks = sum(x["documents"] for x in counts), sum(x["chunks"] for x in counts)
+        return {"documents": docs, "chunks": chunks,
                 "vectors": sum(getattr(s, "nrows", 0) for s in c.shards),
                 "stages": metrics.RECENT.percentiles()}
 
@@ -205,6 +215,8 @@ class SearchCore:
 
     async def _embed(self, text: str, desc: ReleaseDescriptor, deadline: Optional[float],
                      notes: list[str]) -> np.ndarray:
+        """Embed through the cache (key: model id + sha256 of the text, shared by queries and
+        ingest) and the micro-batcher."""
         if self.embedder is None:
             raise FailedPrecondition("this server has no embedder; send a query vector")
         if self.embedder.model_id != desc.model_id:
@@ -275,6 +287,19 @@ class SearchCore:
             self.inflight -= 1
             metrics.INFLIGHT.dec()
 
+    def _cache_key(self, q: SearchQuery, coll: LoadedCollection, mode: str, tenant: str,
+                   acl_scopes: tuple) -> Optional[tuple]:
+        """Everything the answer depends on, including every shard's index version (which moves
+        on every write): an entry can never be served after a write that could change it.
+        None (no caching) when a shard cannot tell its version (remote replica sets)."""
+        versions = tuple(getattr(s, "index_version", None) for s in coll.shards)
+        if None in versions or q.include_trace:
+            return None
+        vec = (hashlib.sha256(q.vector.tobytes()).hexdigest(), q.vector_model_id) if q.vector is not None else None
+        return (coll.desc.build_id, versions, " ".join(q.text.split()), vec, mode, tenant, acl_scopes,
+                q.filters, q.top_k, q.dense_depth, q.lexical_depth, q.rrf_k, q.rerank_depth,
+                q.context_token_budget, q.allow_partial)
+
     async def _search(self, q: SearchQuery, tenant: str, deadline: Optional[float],
                       acl_scopes: tuple) -> SearchResult:
         t_start = time.perf_counter()
@@ -290,6 +315,19 @@ class SearchCore:
         coll = self.collection(q.collection)
         desc = coll.desc
         mode = self.validate(q, desc)
+        cache_key = self._cache_key(q, coll, mode, tenant, acl_scopes)
+        if cache_key is not None and self.config.retrieval_cache_size:
+            cached = self._retrieval_cache.get(cache_key)
+            if cached is not None:
+                self._retrieval_cache.move_to_end(cache_key)
+                metrics.RETRIEVAL_CACHE.labels("hit").inc()
+                ms = (time.perf_counter() - t_start) * 1e3
+                metrics.RECENT.observe("total", ms / 1e3)
+                return SearchResult(cached.hits, cached.build_id, cached.corpus_version,
+                                    cached.model_id, {"cache": ms, "total": ms}, cached.partial,
+                                    cached.shard_errors, None, cached.notes + ["retrieval cache hit"],
+                                    cached.context_tokens)
+            metrics.RETRIEVAL_CACHE.labels("miss").inc()
         t = time.perf_counter()
         vector = q.vector
         if mode in ("dense", "hybrid") and vector is None:
@@ -384,6 +422,73 @@ class SearchCore:
             trace["context"] = ranked_entries(selected)
             trace["dropped"] = [TraceEntry(h.candidate.chunk_id, h.candidate.record.doc_id, h.score,
                                            0, reason) for h, reason in dropped]
-        model_id = desc.model_id
-        return SearchResult(selected, desc.build_id, desc.corpus_version, model_id, timings,
-                            bool(shard_errors), shard_errors, trace, notes, used)
+        result = SearchResult(selected, desc.build_id, desc.corpus_version, desc.model_id, timings,
+                              bool(shard_errors), shard_errors, trace, notes, used)
+        if cache_key is not None and not shard_errors and self.config.retrieval_cache_size:
+            self._retrieval_cache[cache_key] = result
+            while len(self._retrieval_cache) > self.config.retrieval_cache_size:
+                self._retrieval_cache.popitem(last=False)
+        return result
+
+    # --- writes ------------------------------------------------------------------------------
+    def validate_write(self, w: WriteRequest) -> None:
+        if w.op not in ("upsert", "delete"):
+            raise InvalidArgument(f"unknown write operation {w.op!r}")
+        if not w.doc_id or len(w.doc_id) > limits.MAX_DOC_ID_CHARS or not w.doc_id.isprintable():
+            raise InvalidArgument(f"doc_id must be 1..{limits.MAX_DOC_ID_CHARS} printable characters")
+        if w.version < 1:
+            raise InvalidArgument("version must be >= 1")
+        if len(w.text) > limits.MAX_DOC_TEXT_CHARS:
+            raise InvalidArgument(f"text is {len(w.text)} characters; the cap is {limits.MAX_DOC_TEXT_CHARS}")
+        if len(w.title) > limits.MAX_TITLE_CHARS:
+            raise InvalidArgument(f"title exceeds {limits.MAX_TITLE_CHARS} characters")
+        if len(w.metadata) > limits.MAX_METADATA_ENTRIES:
+            raise InvalidArgument(f"{len(w.metadata)} metadata entries; the cap is {limits.MAX_METADATA_ENTRIES}")
+        from server.backends.docstore import check_filter_key
+        from server.core.collection import NAME
+
+        for k, v in w.metadata.items():
+            check_filter_key(k)
+            if len(v) > limits.MAX_METADATA_VALUE_CHARS:
+                raise InvalidArgument(f"metadata {k!r} exceeds {limits.MAX_METADATA_VALUE_CHARS} characters")
+        if len(w.acl) > limits.MAX_ACL_SCOPES or any(not NAME.match(a) for a in w.acl):
+            raise InvalidArgument(f"acl: at most {limits.MAX_ACL_SCOPES} scopes matching {NAME.pattern}")
+        if w.source_modified_at and not math.isfinite(w.source_modified_at):
+            raise InvalidArgument("source_modified_at must be finite")
+        if w.op == "upsert" and not w.text.strip():
+            raise InvalidArgument("an upsert needs non-empty text (use DeleteDocument to remove)")
+
+    async def write(self, w: WriteRequest, tenant: str) -> tuple[str, int, int]:
+        """Apply an upsert or delete for `tenant` (from credentials). Returns (outcome, stored
+        version, shard index version). Acknowledged = durable and searchable."""
+        from server.core.chunking import chunk_text, embed_text, shard_of
+
+        t0 = time.perf_counter()
+        self.validate_write(w)
+        coll = self.collection(w.collection)
+        shard = coll.shards[shard_of(w.doc_id, coll.desc.shards)]
+        if not hasattr(shard, "apply_write"):
+            raise FailedPrecondition("this router's shards are remote: streaming writes are served "
+                                     "by the embedded default (search-server serve) in this release")
+        chunks, vectors = [], None
+        if w.op == "upsert":
+            chunks = chunk_text(w.text)
+            vecs = await asyncio.gather(*(self._embed(embed_text(w.title, c.text), coll.desc, None, [])
+                                          for c in chunks))
+            vectors = np.vstack(vecs).astype(np.float32)
+        now = time.time()
+        body = {"tenant": tenant, "title": w.title, "text": w.text if w.op == "upsert" else "",
+                "metadata": dict(w.metadata), "acl": list(w.acl),
+                "source_modified_at": w.source_modified_at or None, "ingested_at": now}
+        key = (coll.name, shard.shard_no)
+        writer = self._writers.get(key)
+        if writer is None:  # one thread per shard: writes apply in arrival order
+            writer = self._writers[key] = ThreadPoolExecutor(1, thread_name_prefix=f"writer-{key[1]}")
+        outcome, stored = await asyncio.get_running_loop().run_in_executor(
+            writer, shard.apply_write, w.op, w.doc_id, w.version, tenant, body, chunks, vectors)
+        metrics.WRITES.labels(w.op, outcome).inc()
+        if outcome == "applied":
+            metrics.FRESHNESS.observe(time.perf_counter() - t0)
+            if w.source_modified_at:
+                metrics.STALENESS.observe(max(0.0, now - w.source_modified_at))
+        return outcome, stored, shard.index_version

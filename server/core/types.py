@@ -40,6 +40,19 @@ class SearchQuery:
 
 
 @dataclass
+class WriteRequest:
+    op: str                        # upsert | delete
+    collection: str
+    doc_id: str
+    version: int
+    text: str = ""
+    title: str = ""
+    metadata: dict = field(default_factory=dict)
+    acl: tuple[str, ...] = ()
+    source_modified_at: float = 0.0
+
+
+@dataclass
 class ShardQuery:
     """What one shard is asked: already embedded, already scoped to the caller's tenant."""
 
@@ -72,6 +85,7 @@ class ShardResult:
     lexical: list[Candidate]
     dense_ms: float = 0.0
     lexical_ms: float = 0.0
+    index_version: int = 0      # moves on every write to the shard
 
 
 @dataclass

@@ -6,8 +6,8 @@ import asyncio
 import numpy as np
 
 from server.core.search import SearchCore
-from server.core.types import Filter, SearchQuery, SearchResult
-from server.errors import FailedPrecondition, InvalidArgument
+from server.core.types import Filter, SearchQuery, SearchResult, WriteRequest
+from server.errors import InvalidArgument
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 from server.transport.auth import Authenticator
@@ -91,17 +91,23 @@ class SearchServicer(pb_grpc.SearchServiceServicer):
 
     @boundary("UpsertDocument")
     async def UpsertDocument(self, request, context):
-        self.auth.authenticate(context.invocation_metadata()).require("write")
-        self.core.collection(request.collection)
-        raise FailedPrecondition("streaming upserts are not enabled on this server yet; rebuild "
-                                 "the collection with `index-builder build` and publish it")
+        principal = self.auth.authenticate(context.invocation_metadata()).require("write")
+        w = WriteRequest("upsert", request.collection, request.doc_id, request.version, request.text,
+                         request.title, dict(request.metadata), tuple(request.acl),
+                         request.source_modified_at)
+        return write_response(*(await self.core.write(w, principal.tenant)))
 
     @boundary("DeleteDocument")
     async def DeleteDocument(self, request, context):
-        self.auth.authenticate(context.invocation_metadata()).require("write")
-        self.core.collection(request.collection)
-        raise FailedPrecondition("streaming deletes are not enabled on this server yet; rebuild "
-                                 "the collection with `index-builder build` and publish it")
+        principal = self.auth.authenticate(context.invocation_metadata()).require("write")
+        w = WriteRequest("delete", request.collection, request.doc_id, request.version)
+        return write_response(*(await self.core.write(w, principal.tenant)))
+
+
+def write_response(outcome: str, stored: int, index_version: int) -> pb.WriteResponse:
+    return pb.WriteResponse(
+        outcome=pb.WriteResponse.APPLIED if outcome == "applied" else pb.WriteResponse.NOOP_STALE_VERSION,
+        stored_version=stored, index_version=str(index_version))
 
 
 def describe_pb(core: SearchCore, name: str) -> pb.CollectionDescription:

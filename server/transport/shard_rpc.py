@@ -60,7 +60,8 @@ def result_to_pb(res: ShardResult) -> spb.ShardSearchResponse:
     return spb.ShardSearchResponse(dense=[_hit_pb(c) for c in res.dense],
                                    lexical=[_hit_pb(c) for c in res.lexical],
                                    corpus_version=res.corpus_version, shard=res.shard,
-                                   dense_ms=res.dense_ms, lexical_ms=res.lexical_ms)
+                                   dense_ms=res.dense_ms, lexical_ms=res.lexical_ms,
+                                   index_version=res.index_version)
 
 
 def result_from_pb(p: spb.ShardSearchResponse) -> ShardResult:
@@ -72,7 +73,7 @@ def result_from_pb(p: spb.ShardSearchResponse) -> ShardResult:
                           p.shard) for h in hits]
 
     return ShardResult(p.shard, p.corpus_version, cands(p.dense), cands(p.lexical), p.dense_ms,
-                       p.lexical_ms)
+                       p.lexical_ms, p.index_version)
 
 
 class ShardServicer(spb_grpc.ShardServiceServicer):
