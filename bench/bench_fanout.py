@@ -23,7 +23,11 @@ What it measures
 
   What to expect: each request waits for the slowest of N shard calls, and each shard searches
   1/N of the data. At 1400 documents a shard's own search is sub-millisecond, so the fan-out
-  overhead (N RPCs, N responses to decode and merge) dominates and latency grows with N. On a small
+  overhead (N RPCs, N responses to decode and merge) dominates and latency grows with N. The
+  responses are not small: every shard returns dense_depth + lexical_depth candidates (100 + 100 by
+  default, whatever top_k is) with their full chunk text, ~175 KiB per shard call on Cranfield, so
+  the router decodes N x 200 candidates per request. --depth 10 shows how much of the cost that is.
+  On a small
   machine the N shard processes, the router and this client also contend for the same few cores:
   with 8 shards there are 10 busy processes on this machine, so the growth measured here is mostly
   CPU contention and per-RPC overhead, not a property of a real multi-host deployment.
@@ -32,6 +36,7 @@ Run (from the repository root):
     .venv/bin/python bench/bench_fanout.py
     .venv/bin/python bench/bench_fanout.py --requests 1000 --concurrency 4 --shards 1,2,4,8
     .venv/bin/python bench/bench_fanout.py --mode lexical
+    .venv/bin/python bench/bench_fanout.py --depth 10 --requests 1000
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@
     index-builder list    [--collection NAME]
     index-builder eval    --dataset DIR --collection NAME --address HOST:PORT
     index-builder canary-check --collection NAME --credentials creds.json --sentinel S
+    index-builder compact --collection NAME --address HOST:PORT
     index-builder demo-corpus --out FILE
 """
 from __future__ import annotations
@@ -84,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--rerank-depth", type=int, default=50)
     ev.add_argument("--out", type=Path, default=None, help="directory for per-query results")
 
+    cp = sub.add_parser("compact", help="ask a running server to compact a collection (drop tombstones)")
+    cp.add_argument("--address", default="127.0.0.1:50051")
+    cp.add_argument("--collection", required=True)
+    cp.add_argument("--token", default=None, help="bearer token with the admin role")
+
     cc = sub.add_parser("canary-check", help="query as every other tenant; fail if a canary sentinel appears")
     cc.add_argument("--address", default="127.0.0.1:50051")
     cc.add_argument("--collection", required=True)
@@ -120,10 +126,12 @@ def cmd_build(args) -> int:
           f"chunks, {desc.shards} shard(s), factory {desc.factory}, model {desc.model_id}")
     if args.audit or args.publish:
         audit = audit_build(store, args.collection, desc.build_id, min_recall=args.min_recall)
+        recon = audit["reconciliation"]
         print(f"audit: recall@{audit['k']} = {audit['recall']:.4f} over {audit['queries']} queries "
-              f"({'passed' if audit['passed'] else 'FAILED'}, threshold {args.min_recall})")
+              f"({'passed' if audit['passed'] else 'FAILED'}, threshold {args.min_recall}); "
+              f"count reconciliation {'passed' if recon['passed'] else 'FAILED: ' + '; '.join(recon['mismatches'])}")
         if args.publish:
-            if not audit["passed"]:
+            if not (audit["passed"] and recon["passed"]):
                 print("not published: the audit failed", file=sys.stderr)
                 return 1
             store.publish(args.collection, desc.build_id)
@@ -144,7 +152,7 @@ def cmd_audit(args) -> int:
     audit = audit_build(store, args.collection, build, args.k, n_queries=args.queries,
                         min_recall=args.min_recall)
     print(json.dumps(audit, indent=2))
-    return 0 if audit["passed"] else 1
+    return 0 if audit["passed"] and audit["reconciliation"]["passed"] else 1
 
 
 def cmd_publish(args) -> int:
@@ -186,6 +194,26 @@ def cmd_demo_corpus(args) -> int:
     return 0
 
 
+def cmd_compact(args) -> int:
+    import grpc
+
+    from server.rpc import search_pb2 as pb
+    from server.rpc import search_pb2_grpc as pb_grpc
+
+    md = (("authorization", f"Bearer {args.token}"),) if args.token else ()
+    with grpc.insecure_channel(args.address) as ch:
+        try:
+            r = pb_grpc.AdminServiceStub(ch).Compact(pb.CompactRequest(collection=args.collection),
+                                                     metadata=md, timeout=3600)
+        except grpc.RpcError as err:
+            print(f"index-builder compact: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    print(f"compacted {args.collection}: {r.previous_build_id} -> {r.build_id}; rows "
+          f"{r.live_rows_before} live + {r.dead_rows_before} dead -> {r.rows_after}; "
+          f"{r.replayed_writes} writes replayed; {r.seconds:.1f}s")
+    return 0
+
+
 def cmd_canary(args) -> int:
     from index_builder.canary import main as canary_main
 
@@ -199,7 +227,8 @@ def cmd_eval(args) -> int:
 
 
 COMMANDS = {"build": cmd_build, "audit": cmd_audit, "publish": cmd_publish, "list": cmd_list,
-            "demo-corpus": cmd_demo_corpus, "eval": cmd_eval, "canary-check": cmd_canary}
+            "demo-corpus": cmd_demo_corpus, "eval": cmd_eval, "canary-check": cmd_canary,
+            "compact": cmd_compact}
 
 
 def main(argv=None) -> None:

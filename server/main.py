@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     _models(s)
     s.add_argument("--collection", action="append", default=None,
                    help="serve only these collections (repeatable; default: all published)")
+    s.add_argument("--alias-poll-s", type=float, default=2.0,
+                   help="follow alias flips (index-builder publish) every N seconds; 0 = never")
+    s.add_argument("--compact-interval-s", type=float, default=0.0,
+                   help="check every N seconds whether to compact (0 = only on request)")
+    s.add_argument("--compact-min-tombstone-ratio", type=float, default=0.2,
+                   help="scheduled compaction runs when dead+orphan rows reach this share")
 
     sh = sub.add_parser("shard", help="serve one shard of a build to routers")
     _common(sh, 50061)
@@ -180,7 +186,14 @@ def main(argv=None) -> None:
         return
     core = _make_core(args, args.data_dir, device)
     core.load()
-    asyncio.run(app.serve_forever(core, auth, args.host, args.port, args.metrics_port, tls=tls))
+    background = []
+    if args.alias_poll_s > 0:
+        background.append(core.watch_aliases(args.alias_poll_s))
+    if args.compact_interval_s > 0:
+        background.append(core.compact_on_schedule(args.compact_interval_s,
+                                                   args.compact_min_tombstone_ratio))
+    asyncio.run(app.serve_forever(core, auth, args.host, args.port, args.metrics_port, tls=tls,
+                                  background=tuple(background)))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ class ServerThread:
         async def boot():
             if self.setup is not None:
                 await self.setup()
+            await self.core.start()
             self.running = await start_server(self.core, self.auth, "127.0.0.1", 0, self.tls)
             self.port = self.running.port
 

@@ -232,12 +232,30 @@ class DocStore:
             out[names[state]] = n
         return out
 
-    def insert_documents(self, docs: Iterable[tuple[str, int, str]]) -> None:
+    def insert_documents(self, docs: Iterable[tuple[str, int, str, int]]) -> None:
+        """(doc_id, version, tenant, live) rows; live=0 keeps a deletion's tombstone."""
         conn = self._conn()
         conn.execute("BEGIN")
         conn.executemany("INSERT OR REPLACE INTO documents(doc_id, version, tenant, live) "
-                         "VALUES (?,?,?,1)", list(docs))
+                         "VALUES (?,?,?,?)", list(docs))
         conn.execute("COMMIT")
+
+    def documents(self) -> dict[str, tuple[int, str, int]]:
+        return {d: (v, t, l) for d, v, t, l in self._conn().execute(
+            "SELECT doc_id, version, tenant, live FROM documents")}
+
+    def live_records(self) -> list[ChunkRecord]:
+        """Every live chunk, in row order (compaction input)."""
+        out = []
+        for r in self._conn().execute(
+                "SELECT row, chunk_id, doc_id, chunk_index, start_offset, end_offset, title, text, "
+                "tenant, metadata, acl FROM chunks WHERE live=1 ORDER BY row"):
+            out.append(ChunkRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8],
+                                   json.loads(r[9]), tuple(json.loads(r[10]))))
+        return out
+
+    def last_write_seq(self) -> int:
+        return self._conn().execute("SELECT coalesce(max(seq), 0) FROM writes").fetchone()[0]
 
     def set_meta(self, key: str, value: str) -> None:
         self._conn().execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?,?)", (key, value))
@@ -250,7 +268,7 @@ class DocStore:
     def counts(self) -> dict:
         conn = self._conn()
         chunks = conn.execute("SELECT count(*) FROM chunks WHERE live=1").fetchone()[0]
-        docs = conn.execute("SELECT count(*) FROM documents WHERE live=1").fetchone()[0]
+        docs = conn.execute("SELECT count(DISTINCT doc_id) FROM chunks WHERE live=1").fetchone()[0]
         tenants = conn.execute("SELECT count(DISTINCT tenant) FROM chunks WHERE live=1").fetchone()[0]
         return {"chunks": chunks, "documents": docs, "tenants": tenants}
 

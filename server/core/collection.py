@@ -45,6 +45,8 @@ class ReleaseDescriptor:
     search_defaults: dict = field(default_factory=dict)  # nprobe / ef_search / k_factor
     dedicated_tenants: dict = field(default_factory=dict)  # "shard-000" -> [tenant, ...]
     audit: Optional[dict] = None                       # ANN recall audit (index-builder audit)
+    reconciliation: Optional[dict] = None              # count reconciliation (before publish)
+    compacted_from: Optional[str] = None               # build this one compacts
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -129,12 +131,19 @@ class CollectionStore:
 
     def publish(self, name: str, build_id: str, require_audit: bool = True,
                 min_recall: Optional[float] = None) -> dict:
-        """Point the alias at `build_id` in one atomic write; the old live build becomes `previous`."""
+        """Point the alias at `build_id` in one atomic write; the old live build becomes `previous`.
+        Refused unless the build's recall audit and count reconciliation passed."""
         desc = self.descriptor(name, build_id)
         if require_audit:
             audit = desc.audit
             if not audit:
                 raise FailedPrecondition(f"build {build_id} has no recall audit; run index-builder audit")
+            recon = desc.reconciliation
+            if not recon or not recon.get("passed"):
+                raise FailedPrecondition(
+                    f"build {build_id} count reconciliation "
+                    + ("was not run; run index-builder audit" if not recon
+                       else "failed: " + "; ".join(recon.get("mismatches", []))) + "; not published")
             threshold = min_recall if min_recall is not None else audit.get("min_recall", 0.0)
             if not audit.get("passed") or audit.get("recall", 0.0) < threshold:
                 raise FailedPrecondition(

@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from contextlib import asynccontextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from server.core.assembly import assemble
 from server.core.batcher import MicroBatcher
 from server.core.collection import CollectionStore, ReleaseDescriptor, check_name
 from server.core.ranking import merge_topk, rrf
-from server.core.shards import LocalShard, Shard
+from server.core.shards import LocalShard, Shard, shard_dir_name
 from server.core.types import (Candidate, Filter, RankedHit, SearchQuery, SearchResult, ShardQuery,
                                ShardResult, TraceEntry, WriteRequest)
 from server.errors import (CorpusVersionMismatch, DeadlineExceeded, FailedPrecondition,
@@ -67,6 +68,41 @@ class LoadedCollection:
         return self.desc.collection
 
 
+class WriteGate:
+    """Writes run concurrently with each other; a build switch waits for running writes to finish
+    and holds new ones until the swap is done (so no write lands on a build being retired)."""
+
+    def __init__(self):
+        self._cond = asyncio.Condition()
+        self._writes = 0
+        self._switching = False
+
+    @asynccontextmanager
+    async def writing(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._switching)
+            self._writes += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writes -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def exclusive(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._switching)
+            self._switching = True
+            await self._cond.wait_for(lambda: self._writes == 0)
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._switching = False
+                self._cond.notify_all()
+
+
 class SearchCore:
     """Owns the loaded collections and the model batchers; answers searches and admin reads."""
 
@@ -89,6 +125,7 @@ class SearchCore:
         self._embed_cache: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
         self._retrieval_cache: OrderedDict[tuple, SearchResult] = OrderedDict()
         self._writers: dict[tuple[str, int], ThreadPoolExecutor] = {}
+        self._gates: dict[str, "WriteGate"] = {}
         self.inflight = 0
         self.ready = False
 
@@ -98,6 +135,16 @@ class SearchCore:
         for name in names:
             self.load_collection(name)
         self.ready = True
+
+    async def start(self) -> None:
+        """Inside the event loop, before serving: replay writes the live build may have missed
+        (it was published while the server was down, or the server stopped mid-switch)."""
+        for name, loaded in list(self.collections.items()):
+            if not all(hasattr(sh, "apply_write") for sh in loaded.shards):
+                continue  # a router over remote shards: nothing local to replay
+            previous = self.store.alias(name).get("previous")
+            if previous and self.embedder is not None and previous in self.store.builds(name):
+                await self._replay(name, previous, loaded)
 
     def load_collection(self, name: str, build_id: Optional[str] = None) -> LoadedCollection:
         build_id = build_id or self.store.live_build(name)
@@ -458,37 +505,158 @@ class SearchCore:
         if w.op == "upsert" and not w.text.strip():
             raise InvalidArgument("an upsert needs non-empty text (use DeleteDocument to remove)")
 
+    def _gate(self, name: str) -> "WriteGate":
+        gate = self._gates.get(name)
+        if gate is None:
+            gate = self._gates[name] = WriteGate()
+        return gate
+
     async def write(self, w: WriteRequest, tenant: str) -> tuple[str, int, int]:
         """Apply an upsert or delete for `tenant` (from credentials). Returns (outcome, stored
         version, shard index version). Acknowledged = durable and searchable."""
-        from server.core.chunking import chunk_text, embed_text, shard_of
-
         t0 = time.perf_counter()
         self.validate_write(w)
-        coll = self.collection(w.collection)
-        shard = coll.shards[shard_of(w.doc_id, coll.desc.shards)]
-        if not hasattr(shard, "apply_write"):
-            raise FailedPrecondition("this router's shards are remote: streaming writes are served "
-                                     "by the embedded default (search-server serve) in this release")
-        chunks, vectors = [], None
-        if w.op == "upsert":
-            chunks = chunk_text(w.text)
-            vecs = await asyncio.gather(*(self._embed(embed_text(w.title, c.text), coll.desc, None, [])
-                                          for c in chunks))
-            vectors = np.vstack(vecs).astype(np.float32)
-        now = time.time()
-        body = {"tenant": tenant, "title": w.title, "text": w.text if w.op == "upsert" else "",
-                "metadata": dict(w.metadata), "acl": list(w.acl),
-                "source_modified_at": w.source_modified_at or None, "ingested_at": now}
-        key = (coll.name, shard.shard_no)
-        writer = self._writers.get(key)
-        if writer is None:  # one thread per shard: writes apply in arrival order
-            writer = self._writers[key] = ThreadPoolExecutor(1, thread_name_prefix=f"writer-{key[1]}")
-        outcome, stored = await asyncio.get_running_loop().run_in_executor(
-            writer, shard.apply_write, w.op, w.doc_id, w.version, tenant, body, chunks, vectors)
+        self.collection(w.collection)
+        async with self._gate(w.collection).writing():  # a build switch waits for us, and we for it
+            coll = self.collection(w.collection)
+            now = time.time()
+            body = {"tenant": tenant, "title": w.title, "text": w.text if w.op == "upsert" else "",
+                    "metadata": dict(w.metadata), "acl": list(w.acl),
+                    "source_modified_at": w.source_modified_at or None, "ingested_at": now}
+            outcome, stored, index_version = await self._apply(coll, w.op, w.doc_id, w.version, body)
         metrics.WRITES.labels(w.op, outcome).inc()
         if outcome == "applied":
             metrics.FRESHNESS.observe(time.perf_counter() - t0)
             if w.source_modified_at:
                 metrics.STALENESS.observe(max(0.0, now - w.source_modified_at))
+        return outcome, stored, index_version
+
+    async def _apply(self, coll: LoadedCollection, op: str, doc_id: str, version: int,
+                     body: dict) -> tuple[str, int, int]:
+        from server.core.chunking import chunk_text, embed_text, shard_of
+
+        shard = coll.shards[shard_of(doc_id, coll.desc.shards)]
+        if not hasattr(shard, "apply_write"):
+            raise FailedPrecondition("this router's shards are remote: streaming writes are served "
+                                     "by the embedded default (search-server serve) in this release")
+        chunks, vectors = [], None
+        if op == "upsert":
+            chunks = chunk_text(body["text"])
+            vecs = await asyncio.gather(*(self._embed(embed_text(body["title"], c.text), coll.desc,
+                                                      None, []) for c in chunks))
+            vectors = np.vstack(vecs).astype(np.float32) if vecs else None
+        key = (coll.name, coll.desc.build_id, shard.shard_no)
+        writer = self._writers.get(key)
+        if writer is None:  # one thread per shard: writes apply in arrival order
+            writer = self._writers[key] = ThreadPoolExecutor(1, thread_name_prefix=f"writer-{key[2]}")
+        outcome, stored = await asyncio.get_running_loop().run_in_executor(
+            writer, shard.apply_write, op, doc_id, version, body["tenant"], body, chunks, vectors)
         return outcome, stored, shard.index_version
+
+    # --- build switches: publish, rollback, compaction ---------------------------------------
+    async def _replay(self, name: str, source_build: str, target: LoadedCollection) -> int:
+        """Apply the source build's logged writes that the target has not seen yet (idempotent:
+        each is version-checked), recording progress in the target's replay marker."""
+        from server.backends.docstore import DocStore
+        from server.core.compaction import read_replay_marker, write_replay_marker
+
+        if source_build == target.desc.build_id:
+            return 0
+        tdir = self.store.build_dir(name, target.desc.build_id)
+        marker = read_replay_marker(tdir)
+        done = marker.setdefault(source_build, {})
+        sdesc = self.store.descriptor(name, source_build)
+        applied = 0
+        loop = asyncio.get_running_loop()
+        for s in range(sdesc.shards):
+            sdir = self.store.build_dir(name, source_build) / shard_dir_name(s)
+            log_store = DocStore(sdir / "docstore.sqlite")
+            try:
+                entries = await loop.run_in_executor(None, log_store.write_log, done.get(str(s), 0))
+            finally:
+                log_store.close()
+            if entries and (self.embedder is None or self.embedder.model_id != target.desc.model_id):
+                raise FailedPrecondition(
+                    f"{len(entries)} writes of build {source_build} must be re-embedded for build "
+                    f"{target.desc.build_id} ({target.desc.model_id}); start a server with that model")
+            for seq, op, doc_id, version, body in entries:
+                outcome, _, _ = await self._apply(target, op, doc_id, version, body)
+                applied += outcome == "applied"
+                done[str(s)] = seq
+            write_replay_marker(tdir, marker)
+        return applied
+
+    async def switch_build(self, name: str, build_id: Optional[str] = None) -> dict:
+        """Serve `build_id` (default: the alias's live build) in place of the current build.
+
+        Load it, replay the current build's writes into it, then — with writes paused — replay
+        the tail and swap. Each query resolves its collection once, so it sees one build.
+        """
+        old = self.collection(name)
+        build_id = build_id or self.store.live_build(name)
+        if build_id == old.desc.build_id:
+            return {"build_id": build_id, "replayed": 0, "switched": False}
+        loop = asyncio.get_running_loop()
+        desc = self.store.descriptor(name, build_id)
+        build_dir = self.store.build_dir(name, build_id)
+        shards = await loop.run_in_executor(None, lambda: [
+            LocalShard(desc, build_dir, i, self.device, self.executor) for i in range(desc.shards)])
+        new = LoadedCollection(desc, shards)
+        replayed = await self._replay(name, old.desc.build_id, new)
+        async with self._gate(name).exclusive():
+            replayed += await self._replay(name, old.desc.build_id, new)
+            self.collections[name] = new
+        self._retrieval_cache.clear()
+        log.info("%s now serves build %s (was %s; %d writes replayed)", name, build_id,
+                 old.desc.build_id, replayed)
+        return {"build_id": build_id, "previous": old.desc.build_id, "replayed": replayed,
+                "switched": True}
+
+    async def compact(self, name: str, min_recall: float = 0.0) -> dict:
+        """Compact the live build into a new one, audit and reconcile it, publish it, switch."""
+        from server.core.audit import audit_build
+        from server.core.compaction import compact_build
+
+        coll = self.collection(name)
+        if not all(hasattr(s, "apply_write") for s in coll.shards):
+            raise FailedPrecondition("compaction runs where the shards are local (the embedded default)")
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        before = {k: sum(s.store.row_states()[k] for s in coll.shards) for k in ("live", "dead", "orphan")}
+        desc = await loop.run_in_executor(None, compact_build, self.store, coll)
+        audit = await loop.run_in_executor(None, lambda: audit_build(
+            self.store, name, desc.build_id, min_recall=min_recall))
+        if not (audit["passed"] and audit["reconciliation"]["passed"]):
+            raise FailedPrecondition(f"compacted build {desc.build_id} failed its checks: {audit}")
+        self.store.publish(name, desc.build_id)
+        switched = await self.switch_build(name, desc.build_id)
+        return {"build_id": desc.build_id, "previous": coll.desc.build_id, "rows_before": before,
+                "rows_after": desc.chunks, "replayed": switched["replayed"],
+                "seconds": time.perf_counter() - t0}
+
+    async def watch_aliases(self, interval: float) -> None:
+        """Follow alias flips made by `index-builder publish` (poll; a flip is one file rename)."""
+        while True:
+            await asyncio.sleep(interval)
+            for name in list(self.collections):
+                try:
+                    if self.store.live_build(name) != self.collections[name].desc.build_id:
+                        await self.switch_build(name)
+                except SearchError as exc:
+                    log.error("cannot switch %s to its published build: %s", name, exc)
+
+    async def compact_on_schedule(self, interval: float, min_tombstone_ratio: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            for name, coll in list(self.collections.items()):
+                if not all(hasattr(s, "store") for s in coll.shards):
+                    continue
+                states = [s.store.row_states() for s in coll.shards]
+                total = sum(sum(x.values()) for x in states) or 1
+                ratio = sum(x["dead"] + x["orphan"] for x in states) / total
+                if ratio >= min_tombstone_ratio:
+                    try:
+                        log.info("compacting %s (tombstone ratio %.2f)", name, ratio)
+                        await self.compact(name)
+                    except SearchError as exc:
+                        log.error("scheduled compaction of %s failed: %s", name, exc)

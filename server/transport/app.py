@@ -143,11 +143,19 @@ async def serve_shard_forever(shard, host: str, port: int, metrics_port: Optiona
 
 async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: int,
                         metrics_port: Optional[int], ready_message: bool = True,
-                        setup=None, tls: Optional[TLSConfig] = None) -> None:
+                        setup=None, tls: Optional[TLSConfig] = None,
+                        background: tuple = ()) -> None:
+    """`background`: coroutines run for the server's life (alias watching, scheduled compaction)."""
     note = start_metrics(host, metrics_port)
     if setup is not None:  # e.g. connecting a router to its shard replicas, inside the loop
         await setup()
+    await core.start()
     running = await start_server(core, auth, host, port, tls)
     if ready_message:
         print(f"search-server listening on {host}:{running.port}{note}", flush=True)
-    await wait_for_signal_then_stop(running)
+    tasks = [asyncio.get_running_loop().create_task(c) for c in background]
+    try:
+        await wait_for_signal_then_stop(running)
+    finally:
+        for t in tasks:
+            t.cancel()

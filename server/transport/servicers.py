@@ -134,6 +134,17 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         self.auth.authenticate(context.invocation_metadata()).require("admin")
         return describe_pb(self.core, request.collection)
 
+    @boundary("Compact")
+    async def Compact(self, request, context):
+        self.auth.authenticate(context.invocation_metadata()).require("admin")
+        r = await self.core.compact(request.collection)
+        before = r["rows_before"]
+        return pb.CompactResponse(build_id=r["build_id"], previous_build_id=r["previous"],
+                                  live_rows_before=before["live"],
+                                  dead_rows_before=before["dead"] + before["orphan"],
+                                  rows_after=r["rows_after"], replayed_writes=r["replayed"],
+                                  seconds=r["seconds"])
+
     @boundary("CollectionStats")
     async def CollectionStats(self, request, context):
         self.auth.authenticate(context.invocation_metadata()).require("admin")

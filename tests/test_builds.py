@@ -1,0 +1,223 @@
+"""Versioned builds: audited, reconciled alias flips; queries see one build across a flip; writes
+made during a rebuild are replayed into it; rollback; model migration refuses old vectors;
+compaction drops tombstones without changing answers."""
+import asyncio
+import sqlite3
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+
+from server.rpc import search_pb2 as pb
+from server.rpc import search_pb2_grpc as pb_grpc
+
+from conftest import REPO, start_core_server
+
+
+def docs(prefix, source, n):
+    from index_builder.corpus import Document
+
+    return [Document(f"{prefix}-{d.doc_id}", d.text, d.title) for d in source[:n]]
+
+
+@pytest.fixture
+def two_builds(tmp_path, tiny_embedder, cranfield_docs):
+    from index_builder.build import audit_build, build_collection
+    from server.core.collection import CollectionStore
+
+    store = CollectionStore(tmp_path)
+    a = build_collection(docs("a", cranfield_docs, 80), store, "c", tiny_embedder, "Flat", shards=2,
+                         quiet=True)
+    audit_build(store, "c", a.build_id)
+    store.publish("c", a.build_id)
+    b = build_collection(docs("b", cranfield_docs[80:], 80), store, "c", tiny_embedder,
+                         "HNSW16,Flat", shards=3, quiet=True)
+    return store, a, b
+
+
+def run(srv, coro):
+    return asyncio.run_coroutine_threadsafe(coro, srv.loop).result(120)
+
+
+def test_publish_refuses_a_build_without_an_audit(two_builds):
+    from server.errors import FailedPrecondition
+
+    store, a, b = two_builds
+    with pytest.raises(FailedPrecondition, match="no recall audit"):
+        store.publish("c", b.build_id)
+    assert store.live_build("c") == a.build_id
+
+
+def test_publish_refuses_a_build_whose_counts_do_not_reconcile(two_builds, tmp_path):
+    from index_builder.build import audit_build
+
+    store, a, b = two_builds
+    db = store.build_dir("c", b.build_id) / "shard-001" / "docstore.sqlite"
+    with sqlite3.connect(db) as conn:  # lose one chunk row: the store no longer matches faiss/BM25
+        conn.execute("DELETE FROM chunks WHERE row = (SELECT max(row) FROM chunks)")
+    audit = audit_build(store, "c", b.build_id)
+    assert audit["passed"] and not audit["reconciliation"]["passed"]
+    out = subprocess.run([sys.executable, "-m", "index_builder.cli", "publish", "--data-dir",
+                          str(tmp_path), "--collection", "c", "--build", b.build_id],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "reconciliation failed" in out.stderr and "shard-001" in out.stderr
+    assert store.live_build("c") == a.build_id
+
+
+def test_every_query_sees_one_build_across_an_alias_flip(two_builds, tiny_embedder):
+    from index_builder.build import audit_build
+
+    store, a, b = two_builds
+    audit_build(store, "c", b.build_id)
+    srv = start_core_server(store.data_dir, tiny_embedder, retrieval_cache_size=0)
+    seen, bad = [], []
+    stop = threading.Event()
+
+    def query_loop():
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            while not stop.is_set():
+                r = stub.Search(pb.SearchRequest(collection="c", text="boundary layer flow", top_k=10),
+                                timeout=30)
+                prefix = {a.build_id: "a-", b.build_id: "b-"}.get(r.build_id)
+                seen.append(r.build_id)
+                if prefix is None or not all(h.doc_id.startswith(prefix) for h in r.hits):
+                    bad.append((r.build_id, [h.doc_id for h in r.hits]))
+
+    threads = [threading.Thread(target=query_loop) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        while seen.count(a.build_id) < 5:
+            threading.Event().wait(0.01)
+        store.publish("c", b.build_id)
+        result = run(srv, srv.core.switch_build("c"))
+        assert result["switched"] and result["build_id"] == b.build_id
+        n = len(seen)
+        while len(seen) < n + 10:
+            threading.Event().wait(0.01)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        srv.stop()
+    assert bad == []
+    assert a.build_id in seen and b.build_id in seen
+
+
+def test_writes_during_a_rebuild_are_replayed_and_rollback_keeps_them(two_builds, tiny_embedder):
+    from index_builder.build import audit_build
+
+    store, a, b = two_builds
+    audit_build(store, "c", b.build_id)
+    srv = start_core_server(store.data_dir, tiny_embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+
+            def find(word):
+                r = stub.Search(pb.SearchRequest(collection="c", text=word, top_k=5, mode=pb.LEXICAL),
+                                timeout=30)
+                return r.build_id, [h.doc_id for h in r.hits]
+
+            up = lambda d, v, t: stub.UpsertDocument(pb.UpsertDocumentRequest(  # noqa: E731
+                collection="c", doc_id=d, version=v, text=t), timeout=30)
+            up("w-1", 1, "zyxduring the rebuild")        # lands on A while B is being built
+            up("w-2", 1, "zyxreplaced early")
+            up("w-2", 2, "zyxsecond version")
+            stub.DeleteDocument(pb.DeleteDocumentRequest(collection="c", doc_id="a-1", version=2),
+                                timeout=30)
+            store.publish("c", b.build_id)
+            result = run(srv, srv.core.switch_build("c"))
+            assert result["replayed"] == 4
+            assert find("zyxduring") == (b.build_id, ["w-1"])
+            assert find("zyxsecond") == (b.build_id, ["w-2"]) and find("zyxreplaced")[1] == []
+            up("w-3", 1, "zyxafter the flip")            # lands on B
+            assert up("w-2", 2, "zyxsecond version").outcome == pb.WriteResponse.NOOP_STALE_VERSION
+            store.publish("c", a.build_id)                # roll back: A gets B's writes since
+            run(srv, srv.core.switch_build("c"))
+            assert find("zyxafter") == (a.build_id, ["w-3"])
+            assert find("zyxduring") == (a.build_id, ["w-1"])
+            assert "a-1" not in [h.doc_id for h in stub.Search(pb.SearchRequest(
+                collection="c", text="a", top_k=100, mode=pb.DENSE), timeout=30).hits]
+    finally:
+        srv.stop()
+
+
+def test_a_vector_from_the_previous_model_is_refused_after_a_migration(two_builds, tiny_embedder,
+                                                                       tiny_embedder_dir, cranfield_docs):
+    from index_builder.build import audit_build, build_collection
+    from server.backends.device import Device
+    from server.backends.models import Embedder
+
+    store, a, _ = two_builds
+    v2 = Embedder(tiny_embedder_dir, Device("cpu"), model_name="tiny-test-embedder-v2")
+    m = build_collection(docs("m", cranfield_docs, 40), store, "c", v2, "Flat", quiet=True)
+    audit_build(store, "c", m.build_id)
+    store.publish("c", m.build_id)
+    srv = start_core_server(store.data_dir, v2)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            v1_vec = tiny_embedder.encode(["boundary layer"])[0]
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Search(pb.SearchRequest(collection="c", top_k=5, mode=pb.DENSE, vector=pb.QueryVector(
+                    values=v1_vec.tolist(), model_id=a.model_id)), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert a.model_id in err.value.details() and m.model_id in err.value.details()
+            ok = stub.Search(pb.SearchRequest(collection="c", top_k=5, mode=pb.DENSE, vector=pb.QueryVector(
+                values=v2.encode(["boundary layer"])[0].tolist(), model_id=m.model_id)), timeout=30)
+            assert len(ok.hits) == 5 and ok.model_id == m.model_id
+    finally:
+        srv.stop()
+
+
+def test_compaction_drops_tombstones_and_keeps_every_answer(two_builds, tiny_embedder):
+    from server.core import metrics
+
+    store, a, _ = two_builds
+    srv = start_core_server(store.data_dir, tiny_embedder, retrieval_cache_size=0)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            admin = pb_grpc.AdminServiceStub(ch)
+            for i in range(1, 40):  # replace and delete: tombstones pile up
+                stub.UpsertDocument(pb.UpsertDocumentRequest(collection="c", doc_id=f"a-{i}", version=2,
+                                                             text=f"zyxcompact{i} replaced text"), timeout=30)
+            for i in range(40, 60):
+                stub.DeleteDocument(pb.DeleteDocumentRequest(collection="c", doc_id=f"a-{i}", version=2),
+                                    timeout=30)
+            queries = ["boundary layer", "zyxcompact7", "shock wave", "heat transfer in flow"]
+
+            def answers(mode):
+                return [[(h.doc_id, h.chunk_id, round(h.score, 4)) for h in stub.Search(
+                    pb.SearchRequest(collection="c", text=q, top_k=10, mode=mode), timeout=30).hits]
+                        for q in queries]
+
+            def doc_sets(mode):
+                return [{d for d, _, _ in hits} for hits in answers(mode)]
+
+            before_dense, before_lex = answers(pb.DENSE), doc_sets(pb.LEXICAL)
+            ratio = metrics.TOMBSTONE_RATIO.labels("c", "0")._value.get()
+            assert ratio > 0.2
+            r = admin.Compact(pb.CompactRequest(collection="c"), timeout=300)
+            assert r.previous_build_id == a.build_id and r.dead_rows_before > 0
+            assert r.rows_after == r.live_rows_before
+            assert store.live_build("c") == r.build_id
+            # dense answers are identical, scores included
+            assert answers(pb.DENSE) == before_dense
+            # BM25 statistics counted the deleted chunks until now (tantivy keeps them in its
+            # document frequencies until segments merge), so lexical scores become exact and may
+            # move; the documents found stay the same
+            after_lex = doc_sets(pb.LEXICAL)
+            assert after_lex[1] == before_lex[1] == {"a-7"}
+            assert all(len(x & y) >= 0.7 * len(y) for x, y in zip(after_lex, before_lex)), (after_lex, before_lex)
+            assert metrics.TOMBSTONE_RATIO.labels("c", "0")._value.get() == 0.0
+            stale = stub.UpsertDocument(pb.UpsertDocumentRequest(collection="c", doc_id="a-45", version=1,
+                                                                 text="older than its delete"), timeout=30)
+            assert stale.outcome == pb.WriteResponse.NOOP_STALE_VERSION
+    finally:
+        srv.stop()
