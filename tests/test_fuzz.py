@@ -32,7 +32,7 @@ def snapshot(channel):
 
 
 floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
-texts = st.one_of(st.text(max_size=300), st.text(alphabet=st.characters(min_codepoint=0x0),
+texts = st.one_of(st.text(max_size=300), st.text(alphabet=st.characters(min_codepoint=0x0, exclude_categories=("Cs",)),
                                                  max_size=50), st.just(""), st.just("   "))
 filters = st.lists(st.builds(pb.MetadataFilter, key=st.text(max_size=80),
                              any_of=st.lists(st.text(max_size=40), max_size=5),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -63,6 +64,10 @@ class _Transformer:
         self.model_dir = model_dir
         self.device = device or default_device()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        # A fast tokenizer keeps its padding/truncation settings in shared Rust state that every
+        # call rewrites: concurrent calls (token counting on the event loop, encoding on the device
+        # thread) would tokenize with each other's settings. One lock per tokenizer.
+        self._tokenizer_lock = threading.Lock()
         self.max_length = max_length
         self.revision = _weights_digest(model_dir)
         self.model_id = f"{model_name or model_dir.name}@{self.revision}"
@@ -90,12 +95,14 @@ class _Transformer:
         """Model tokens per text (special tokens included), before truncation."""
         if not texts:
             return []
-        enc = self.tokenizer(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
+        with self._tokenizer_lock:
+            enc = self.tokenizer(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
         return [len(ids) for ids in enc]
 
     def _encode_inputs(self, *texts):
-        return self.tokenizer(*texts, padding=True, truncation=True, max_length=self.max_length,
-                              return_tensors="np")
+        with self._tokenizer_lock:
+            return self.tokenizer(*texts, padding=True, truncation=True, max_length=self.max_length,
+                                  return_tensors="np")
 
     def _forward(self, enc) -> np.ndarray:
         """Run the model; return its first output (hidden states or logits) as numpy."""
