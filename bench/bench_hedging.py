@@ -13,7 +13,7 @@ What it measures
 
     hedged    the router's default hedging policy (delay = the shard's recent p95 latency clamped
               to [--hedge-min-ms 2, --hedge-max-ms 200], budget --hedge-budget hedges per request,
-              0.05 by default), unless the flags below change it
+              0.10 by default), unless the flags below change it
     unhedged  the same router started with --no-hedge
 
   In both, replica 0 of every shard is started with fault injection: --delay-prob of the requests
@@ -48,11 +48,11 @@ Reading the result
     candidates per retriever (each shard call then ships ~175 KiB of candidate text, p50 ~20 ms),
     a +100 ms tail cannot reach 0.3; with --depth 10 (p50 ~9 ms) it can.
   * Hedging at the p95 means ~5% of requests want a hedge even without any slow replica (by the
-    definition of p95), plus the slow ones. The router's default budget (0.05 hedges per request,
-    burst 10) is therefore used up by that baseline, and stragglers that arrive while the bucket is
-    empty are not hedged: they stay in p99/p99.9. --hedge-budget 0.1 fixes p99; p99.9 also needs
-    a budget that never runs dry during bursts (try --hedge-budget 1.0: the hedges actually sent
-    stay at ~9%, because the budget is a cap, not a rate).
+    definition of p95), plus the slow ones. A budget of 0.05 hedges per request (the router's
+    first default) was used up by that baseline, so stragglers arriving while the bucket was empty
+    went unhedged and stayed in p99/p99.9; the default is now 0.10. p99.9 also needs a budget that
+    never runs dry during bursts (try --hedge-budget 1.0: the hedges actually sent stay at ~9%,
+    because the budget is a cap, not a rate).
   * p99.9 of N requests is decided by the slowest N/1000 of them; at 6000 requests that is 6
     values, so it is noisy on a shared machine (a single scheduler stall shows up there).
 
@@ -95,7 +95,7 @@ def parse_args(argv=None):
                    help="dense_depth and lexical_depth of every request (0: the server default, 100); "
                         "each shard returns this many candidates with their text, which sets the "
                         "fast-path latency")
-    p.add_argument("--hedge-budget", type=float, default=None, help="router --hedge-budget (default: router's 0.05)")
+    p.add_argument("--hedge-budget", type=float, default=None, help="router --hedge-budget (default: router's 0.10)")
     p.add_argument("--hedge-min-ms", type=float, default=None)
     p.add_argument("--hedge-max-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=7)
