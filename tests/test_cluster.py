@@ -256,3 +256,28 @@ def test_partial_results_only_when_the_request_allows_them(three_shard_build, ti
         router.stop()
         for p in procs:
             p.stop()
+
+
+def test_hits_shipped_without_text_are_fetched_and_answers_do_not_change(three_shard_build,
+                                                                         tiny_embedder):
+    """Remote shards send text for their top hits only (text_top_n); the router fetches the texts
+    of other hits that fusion puts in its window. With text for 1 hit per list, every answer must
+    still equal the embedded default's."""
+    procs = [ShardProcess(three_shard_build, "cran3", s) for s in range(3)]
+    router = start_router(tiny_embedder, "cran3", [[p.address] for p in procs], text_top_n=1,
+                          retrieval_cache_size=0)
+    embedded = start_core_server(three_shard_build, tiny_embedder, collections=["cran3"])
+    try:
+        remote, local = stub_for(router.address), stub_for(embedded.address)
+        for q in QUERIES[:3]:
+            for mode in (pb.DENSE, pb.LEXICAL, pb.HYBRID):
+                req = pb.SearchRequest(collection="cran3", text=q, top_k=10, mode=mode, include_trace=True)
+                a, b = remote.Search(req, timeout=20), local.Search(req, timeout=20)
+                assert [(h.chunk_id, h.text, h.start_offset) for h in a.hits] == \
+                    [(h.chunk_id, h.text, h.start_offset) for h in b.hits]
+                assert "fetch" in {t.stage for t in a.timings}
+    finally:
+        embedded.stop()
+        router.stop()
+        for p in procs:
+            p.stop()

@@ -229,3 +229,16 @@ def test_tls_listener_serves_tls_clients_only(tenant_build, tiny_embedder, tmp_p
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         srv.stop()
+
+
+def test_fetching_chunks_by_id_is_restricted_to_the_callers_tenant_and_scopes(mt_server, stub):
+    big = search(stub, "big", text="supersonic flow", mode=pb.LEXICAL, top_k=1).hits[0]
+    hr = [h for h in search(stub, "acme-hr", text="personnel salary review", mode=pb.LEXICAL,
+                            top_k=40).hits if int(h.doc_id.split("-")[1]) % 2 == 1][0]
+    coll = mt_server.core.collections["mt"]
+    shard_big, shard_hr = coll.shards[big.shard], coll.shards[hr.shard]
+    build = coll.desc.build_id
+    assert [c.chunk_id for c in shard_big.fetch_chunks_sync(build, "big", (), [big.chunk_id])] == [big.chunk_id]
+    assert shard_big.fetch_chunks_sync(build, "small", (), [big.chunk_id]) == []
+    assert shard_hr.fetch_chunks_sync(build, "acme", (), [hr.chunk_id]) == []
+    assert len(shard_hr.fetch_chunks_sync(build, "acme", ("hr",), [hr.chunk_id])) == 1

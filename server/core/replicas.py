@@ -189,6 +189,22 @@ class ReplicaSet:
             for task in running:
                 task.cancel()  # the loser of a hedge, or calls outliving a failure
 
+    async def fetch_chunks(self, build_id, tenant, acl_scopes, chunk_ids, timeout=None):
+        """A small follow-up read: least-outstanding replica first, the next one on UNAVAILABLE."""
+        tried: set[int] = set()
+        failures = []
+        while True:
+            i = self._pick(tried)
+            if i is None:
+                raise Unavailable(f"shard {self.shard_no}: fetch failed on every replica: "
+                                  f"{'; '.join(failures)}")
+            tried.add(i)
+            try:
+                return await self.replicas[i].fetch_chunks(build_id, tenant, acl_scopes, chunk_ids,
+                                                           timeout)
+            except RETRYABLE as exc:
+                failures.append(str(exc))
+
     async def close(self) -> None:
         for r in self.replicas:
             close = getattr(r, "close", None)

@@ -54,6 +54,8 @@ class SearchConfig:
     rerank_max_wait_ms: float = 2.0
     embedding_cache_size: int = 4096
     retrieval_cache_size: int = 1024
+    text_top_n: Optional[int] = None  # remote shards ship text for this many hits per list
+                                      # (None: the assembly/rerank window, max(4 top_k, rerank_depth))
     shard_threads: int = 8
     collections: Optional[Sequence[str]] = None  # None: every published collection
 
@@ -383,10 +385,11 @@ class SearchCore:
             t = lap("embed", t)
         dense_depth = q.dense_depth or max(self.config.default_depth, q.top_k)
         lexical_depth = q.lexical_depth or max(self.config.default_depth, q.top_k)
+        window = max(q.top_k * 4, q.rerank_depth)  # the hits assembly and rerank may read
         sq = ShardQuery(desc.build_id, tenant,
                         vector.astype(np.float32) if mode != "lexical" else None, desc.model_id,
                         q.text if mode != "dense" else "", dense_depth, lexical_depth, q.filters,
-                        acl_scopes)
+                        acl_scopes, text_top_n=self.config.text_top_n or window)
         self._check_deadline(deadline, "retrieval")
         results, shard_errors = await self._fan_out(coll, sq, deadline, q.allow_partial)
         t = lap("retrieve", t)
@@ -419,6 +422,9 @@ class SearchCore:
         else:
             ranked = [RankedHit(c, c.score, "bm25", None, lex_pos[c.chunk_id]) for c in lexical]
         t = lap("fusion", t)
+        if any(h.candidate.record.text is None for h in ranked[:window]):
+            ranked = await self._fill_texts(coll, ranked, window, tenant, acl_scopes, deadline)
+            t = lap("fetch", t)
 
         pre_rerank = ranked
         if q.rerank_depth and ranked:
@@ -476,6 +482,31 @@ class SearchCore:
             while len(self._retrieval_cache) > self.config.retrieval_cache_size:
                 self._retrieval_cache.popitem(last=False)
         return result
+
+    async def _fill_texts(self, coll: LoadedCollection, ranked: list[RankedHit], window: int,
+                          tenant: str, acl_scopes: tuple, deadline: Optional[float]) -> list[RankedHit]:
+        """Remote shards ship text for their top hits only; fetch the few others that fusion put
+        in the window. Hits past the window without text, and chunks deleted meanwhile, drop out."""
+        missing: dict[int, list[int]] = {}
+        for h in ranked[:window]:
+            if h.candidate.record.text is None:
+                missing.setdefault(h.candidate.shard, []).append(h.candidate.chunk_id)
+        loop = asyncio.get_running_loop()
+        timeout = None if deadline is None else max(0.0, deadline - loop.time())
+        shards = {s.shard_no: s for s in coll.shards}
+        fetched = await asyncio.gather(*(
+            shards[s].fetch_chunks(coll.desc.build_id, tenant, acl_scopes, ids, timeout)
+            for s, ids in missing.items()))
+        found = {c.chunk_id: c.record for batch in fetched for c in batch}
+        out = []
+        for h in ranked:
+            if h.candidate.record.text is None:
+                rec = found.get(h.candidate.chunk_id)
+                if rec is None:
+                    continue
+                h.candidate.record = rec
+            out.append(h)
+        return out
 
     # --- writes ------------------------------------------------------------------------------
     def validate_write(self, w: WriteRequest) -> None:

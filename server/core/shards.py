@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -261,6 +261,24 @@ class LocalShard:
     async def search(self, query: ShardQuery, timeout: Optional[float] = None) -> ShardResult:
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self.executor, self.search_sync, query)
+        return await asyncio.wait_for(fut, timeout) if timeout is not None else await fut
+
+    def fetch_chunks_sync(self, build_id: str, tenant: str, acl_scopes: Sequence[str],
+                          chunk_ids: Sequence[int]) -> list[Candidate]:
+        if build_id != self.desc.build_id:
+            raise FailedPrecondition(f"shard {self.shard_no} serves build {self.desc.build_id}, "
+                                     f"not {build_id}")
+        scopes = set(acl_scopes) | {PUBLIC_ACL}
+        with self._rw.read():
+            records = self.store.fetch_chunk_ids(chunk_ids)
+        return [Candidate(r.chunk_id, 0.0, r, self.shard_no) for r in records
+                if r.tenant == tenant and scopes.intersection(r.acl)]
+
+    async def fetch_chunks(self, build_id: str, tenant: str, acl_scopes: Sequence[str],
+                           chunk_ids: Sequence[int], timeout: Optional[float] = None) -> list[Candidate]:
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self.executor, self.fetch_chunks_sync, build_id, tenant,
+                                   acl_scopes, chunk_ids)
         return await asyncio.wait_for(fut, timeout) if timeout is not None else await fut
 
     # --- streaming writes --------------------------------------------------------------------

@@ -65,6 +65,7 @@ class ShardQuery:
     lexical_depth: int
     filters: tuple[Filter, ...] = ()
     acl_scopes: tuple[str, ...] = ()   # the caller's ACL scopes (PUBLIC_ACL is always added)
+    text_top_n: int = 0                # remote shards: ship text for the first N hits of each list
 
 
 @dataclass

@@ -34,6 +34,7 @@ def query_to_pb(q: ShardQuery) -> spb.ShardSearchRequest:
         build_id=q.build_id, tenant=q.tenant, model_id=q.model_id, text=q.text,
         vector=q.vector.tolist() if q.vector is not None else [],
         dense_depth=q.dense_depth, lexical_depth=q.lexical_depth, acl_scopes=list(q.acl_scopes),
+        text_top_n=q.text_top_n,
         filters=[spb.ShardFilter(key=f.key, any_of=list(f.any_of), gte=f.gte or "", lte=f.lte or "")
                  for f in q.filters])
 
@@ -45,20 +46,25 @@ def query_from_pb(r: spb.ShardSearchRequest) -> ShardQuery:
     return ShardQuery(r.build_id, r.tenant, vector, r.model_id, r.text, r.dense_depth,
                       r.lexical_depth,
                       tuple(Filter(f.key, tuple(f.any_of), f.gte or None, f.lte or None)
-                            for f in r.filters), tuple(r.acl_scopes))
+                            for f in r.filters), tuple(r.acl_scopes), r.text_top_n)
 
 
-def _hit_pb(c: Candidate) -> spb.ShardHit:
+def _hit_pb(c: Candidate, with_text: bool = True) -> spb.ShardHit:
     r = c.record
-    return spb.ShardHit(chunk_id=r.chunk_id, score=c.score, doc_id=r.doc_id, text=r.text, acl=list(r.acl),
-                        title=r.title, chunk_index=r.chunk_index, start_offset=r.start_offset,
-                        end_offset=r.end_offset, tenant=r.tenant,
-                        metadata={str(k): str(v) for k, v in r.metadata.items()})
+    hit = spb.ShardHit(chunk_id=r.chunk_id, score=c.score, doc_id=r.doc_id, acl=list(r.acl),
+                       chunk_index=r.chunk_index, start_offset=r.start_offset,
+                       end_offset=r.end_offset, tenant=r.tenant, has_text=with_text)
+    if with_text:
+        hit.text, hit.title = r.text, r.title
+        hit.metadata.update({str(k): str(v) for k, v in r.metadata.items()})
+    return hit
 
 
-def result_to_pb(res: ShardResult) -> spb.ShardSearchResponse:
-    return spb.ShardSearchResponse(dense=[_hit_pb(c) for c in res.dense],
-                                   lexical=[_hit_pb(c) for c in res.lexical],
+def result_to_pb(res: ShardResult, text_top_n: int = 0) -> spb.ShardSearchResponse:
+    def hits(cands):
+        return [_hit_pb(c, not text_top_n or i < text_top_n) for i, c in enumerate(cands)]
+
+    return spb.ShardSearchResponse(dense=hits(res.dense), lexical=hits(res.lexical),
                                    corpus_version=res.corpus_version, shard=res.shard,
                                    dense_ms=res.dense_ms, lexical_ms=res.lexical_ms,
                                    index_version=res.index_version)
@@ -68,8 +74,8 @@ def result_from_pb(p: spb.ShardSearchResponse) -> ShardResult:
     def cands(hits):
         return [Candidate(h.chunk_id, h.score,
                           ChunkRecord(-1, h.chunk_id, h.doc_id, h.chunk_index, h.start_offset,
-                                      h.end_offset, h.title, h.text, h.tenant, dict(h.metadata),
-                                      tuple(h.acl)),
+                                      h.end_offset, h.title, h.text if h.has_text else None,
+                                      h.tenant, dict(h.metadata), tuple(h.acl)),
                           p.shard) for h in hits]
 
     return ShardResult(p.shard, p.corpus_version, cands(p.dense), cands(p.lexical), p.dense_ms,
@@ -86,7 +92,14 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
     async def SearchShard(self, request, context):
         q = query_from_pb(request)
         remaining = context.time_remaining()
-        return result_to_pb(await self.shard.search(q, remaining))
+        return result_to_pb(await self.shard.search(q, remaining), q.text_top_n)
+
+    @boundary("FetchChunks")
+    async def FetchChunks(self, request, context):
+        cands = await self.shard.fetch_chunks(request.build_id, request.tenant,
+                                              tuple(request.acl_scopes), list(request.chunk_ids),
+                                              context.time_remaining())
+        return spb.FetchChunksResponse(chunks=[_hit_pb(c) for c in cands])
 
     @boundary("ShardInfo")
     async def ShardInfo(self, request, context):
@@ -126,6 +139,16 @@ class RemoteShard:
             cls = FROM_STATUS.get(err.code(), errors.Unavailable)
             raise cls(f"{self.address}: {err.code().name}: {err.details()}") from None
         return result_from_pb(resp)
+
+    async def fetch_chunks(self, build_id, tenant, acl_scopes, chunk_ids, timeout=None):
+        req = spb.FetchChunksRequest(build_id=build_id, tenant=tenant, acl_scopes=list(acl_scopes),
+                                     chunk_ids=list(chunk_ids))
+        try:
+            resp = await self.stub.FetchChunks(req, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            cls = FROM_STATUS.get(err.code(), errors.Unavailable)
+            raise cls(f"{self.address}: {err.code().name}: {err.details()}") from None
+        return result_from_pb(spb.ShardSearchResponse(dense=resp.chunks, shard=self.shard_no)).dense
 
     async def close(self) -> None:
         await self.channel.close()
