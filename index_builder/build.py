@@ -12,16 +12,14 @@ import secrets
 import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Optional
 
 import numpy as np
 from tqdm import tqdm
 
 from index_builder.corpus import Document
-from server.backends.dense import DenseIndex, build_dense, make_index, training_size
-from server.backends.docstore import PUBLIC_ACL, ChunkRecord, DocStore
-from server.backends.lexical import ANALYZER_VERSION, LexicalIndex
+from server.backends.docstore import PUBLIC_ACL, ChunkRecord
+from server.backends.lexical import ANALYZER_VERSION
 from server.core.chunking import CHUNKER_VERSION, chunk_id, chunk_text, embed_text, shard_of
 from server.core.collection import NAME, CollectionStore, ReleaseDescriptor, check_name
 from server.core.build_writer import write_shard

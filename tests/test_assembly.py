@@ -40,8 +40,6 @@ def test_stops_at_top_k_and_keeps_offsets():
 def test_token_budget_with_no_candidates_returns_nothing():
     """Regression: a budgeted query with no candidates crashed the tokenizer on an empty batch
     (found by tests/test_fuzz.py)."""
-    from server.backends.models import Embedder  # noqa: F401  (the real count_tokens path below)
-
     def count(texts):
         assert texts, "must not be called with an empty batch"
         return [1 for _ in texts]

@@ -1,7 +1,6 @@
 """Thousands of malformed requests (random fields, unicode and binary garbage, absurd sizes,
 NaN vectors, hostile filters) against the real server: every answer is a clear status from the
 allowed set, the server stays healthy, and no data changes."""
-import math
 
 import grpc
 import pytest

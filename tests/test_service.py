@@ -1,7 +1,6 @@
 """The gRPC service on a real loopback socket: round trips, and every bad input gets a clear status
 while the server keeps serving."""
 import grpc
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 

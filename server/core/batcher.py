@@ -11,7 +11,6 @@ The handle is the whole interface: `await batcher.submit(item, cost, deadline)`.
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, Sequence, TypeVar

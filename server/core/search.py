@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -26,7 +26,7 @@ from server.core.batcher import MicroBatcher
 from server.core.collection import CollectionStore, ReleaseDescriptor, check_name
 from server.core.ranking import merge_topk, rrf
 from server.core.shards import LocalShard, Shard, shard_dir_name
-from server.core.types import (Candidate, Filter, RankedHit, SearchQuery, SearchResult, ShardQuery,
+from server.core.types import (Candidate, RankedHit, SearchQuery, SearchResult, ShardQuery,
                                ShardResult, TraceEntry, WriteRequest)
 from server.errors import (CorpusVersionMismatch, DeadlineExceeded, FailedPrecondition,
                            InvalidArgument, ModelMismatch, NotFound, Overloaded, SearchError,

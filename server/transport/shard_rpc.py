@@ -10,7 +10,6 @@ import numpy as np
 
 from server import errors
 from server.backends.docstore import ChunkRecord
-from server.core.shards import LocalShard
 from server.core.types import Candidate, Filter, ShardQuery, ShardResult
 from server.rpc import shard_pb2 as spb
 from server.rpc import shard_pb2_grpc as spb_grpc
