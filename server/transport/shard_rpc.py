@@ -10,6 +10,7 @@ import numpy as np
 
 from server import errors
 from server.backends.docstore import ChunkRecord
+from server.core import metrics
 from server.core.types import Candidate, Filter, ShardQuery, ShardResult
 from server.rpc import shard_pb2 as spb
 from server.rpc import shard_pb2_grpc as spb_grpc
@@ -91,7 +92,12 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
     async def SearchShard(self, request, context):
         q = query_from_pb(request)
         remaining = context.time_remaining()
-        return result_to_pb(await self.shard.search(q, remaining), q.text_top_n)
+        result = await self.shard.search(q, remaining)
+        if result.dense_ms:  # the shard server's own per-stage histograms
+            metrics.RECENT.observe("dense", result.dense_ms / 1e3)
+        if result.lexical_ms:
+            metrics.RECENT.observe("lexical", result.lexical_ms / 1e3)
+        return result_to_pb(result, q.text_top_n)
 
     @boundary("FetchChunks")
     async def FetchChunks(self, request, context):

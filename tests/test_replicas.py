@@ -1,0 +1,112 @@
+"""The fan-out policy (server/core/replicas.py) against in-process replicas whose behaviour each
+test scripts: which errors retry, which fail fast, hedging and its budget, cancellation of the
+loser, least-outstanding choice; and the corpus-version check on fused candidates."""
+import asyncio
+
+import pytest
+
+from server.core.replicas import HedgePolicy, ReplicaSet
+from server.core.types import ShardQuery, ShardResult
+from server.errors import (CorpusVersionMismatch, DeadlineExceeded, InvalidArgument, Unavailable)
+
+
+class Replica:
+    """Answers per a script: "ok", "slow" (never answers until cancelled), or an exception."""
+
+    def __init__(self, name, behaviour="ok"):
+        self.address, self.behaviour = name, behaviour
+        self.calls, self.cancelled = 0, 0
+
+    async def search(self, query, timeout=None):
+        self.calls += 1
+        if self.behaviour == "slow":
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        if isinstance(self.behaviour, Exception):
+            raise self.behaviour
+        return ShardResult(0, "v1", [], [], 0.0, 0.0)
+
+
+Q = ShardQuery("b", "t", None, "m", "text", 10, 10)
+FAST_HEDGE = HedgePolicy(hedge_min_ms=1, hedge_max_ms=5, hedge_budget=1.0)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_invalid_argument_fails_fast_and_is_not_retried():
+    a, b = Replica("a", InvalidArgument("bad vector")), Replica("b")
+    rs = ReplicaSet(0, [a, b], HedgePolicy(enabled=False))
+    with pytest.raises(InvalidArgument, match="bad vector"):
+        run(rs.search(Q, 5))
+    assert (a.calls, b.calls) == (1, 0)
+
+
+def test_unavailable_is_retried_on_the_next_replica():
+    a, b = Replica("a", Unavailable("down")), Replica("b")
+    rs = ReplicaSet(0, [a, b], HedgePolicy(enabled=False))
+    assert run(rs.search(Q, 5)).corpus_version == "v1"
+    assert (a.calls, b.calls) == (1, 1) and rs.stats["retries"] == 1
+
+
+def test_when_every_replica_fails_the_error_sums_them_up():
+    rs = ReplicaSet(3, [Replica("a", Unavailable("down")), Replica("b", Unavailable("reset"))],
+                    HedgePolicy(enabled=False))
+    with pytest.raises(Unavailable, match=r"shard 3: 2 of 2 replicas failed: a .*down.*; b .*reset"):
+        run(rs.search(Q, 5))
+
+
+def test_a_slow_replica_is_hedged_and_the_loser_cancelled():
+    slow, fast = Replica("slow", "slow"), Replica("fast")
+    rs = ReplicaSet(0, [slow, fast], FAST_HEDGE)
+    rs._rr = iter(range(0, 10 ** 6, 2))  # ties go to replica 0 (the slow one) first
+    assert run(rs.search(Q, 5)).corpus_version == "v1"
+    assert slow.calls == 1 and fast.calls == 1
+    assert slow.cancelled == 1 and rs.stats["hedges"] == 1 and rs.stats["hedges_won"] == 1
+
+
+def test_without_hedge_budget_a_hung_replica_meets_the_deadline():
+    slow, fast = Replica("slow", "slow"), Replica("fast")
+    rs = ReplicaSet(0, [slow, fast], HedgePolicy(hedge_min_ms=1, hedge_max_ms=5, hedge_budget=0.0,
+                                                 hedge_burst=0.0))
+    rs._rr = iter(range(0, 10 ** 6, 2))
+    with pytest.raises(DeadlineExceeded):
+        run(rs.search(Q, 0.2))
+    assert fast.calls == 0 and slow.cancelled == 1
+
+
+def test_least_outstanding_replica_is_picked_first():
+    a, b = Replica("a"), Replica("b")
+    rs = ReplicaSet(0, [a, b], HedgePolicy(enabled=False))
+    rs.outstanding = [3, 0]
+    run(rs.search(Q, 5))
+    assert (a.calls, b.calls) == (0, 1)
+
+
+def test_candidates_from_another_corpus_version_are_never_fused(small_collection, tiny_embedder):
+    from server.backends.device import Device
+    from server.core.search import LoadedCollection, SearchConfig, SearchCore
+    from server.core.types import SearchQuery
+
+    data, desc = small_collection
+
+    class OtherVersion(Replica):
+        def __init__(self, shard_no):
+            super().__init__(f"r{shard_no}")
+            self.shard_no = shard_no
+
+        async def search(self, query, timeout=None):
+            return ShardResult(self.shard_no, "another-version", [], [], 0.0, 0.0)
+
+    core = SearchCore(SearchConfig(data_dir=data), tiny_embedder, None, Device("cpu"))
+    core.attach(LoadedCollection(desc, [OtherVersion(i) for i in range(desc.shards)]))
+
+    async def go():
+        return await core.search(SearchQuery("cran", text="flow", top_k=5, mode="lexical"), "default")
+
+    with pytest.raises(CorpusVersionMismatch, match="another-version"):
+        run(go())
