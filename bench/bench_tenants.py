@@ -15,7 +15,8 @@ customers sharing a shard). For each tenant, held-out queries go through LocalSh
 * latency p50/p99 (ms) of the whole search_sync call, and of its dense part (ShardResult.dense_ms);
 * recall@10 against EXACT restricted search (brute force over that tenant's vectors only);
 * which path served it: LocalShard searches exactly (brute force over the allowed rows) when the
-  tenant's allowed set has <= EXACT_MAX_ROWS rows (20000), otherwise the ANN index with a faiss
+  tenant's allowed set has <= max(EXACT_MIN_ROWS, EXACT_MAX_FRACTION x rows) rows, capped at
+  EXACT_MAX_ROWS (2,000 / 1% / 20,000 by default), otherwise the ANN index with a faiss
   IDSelectorBitmap, redoing it exactly when the ANN page comes back short. The path is observed,
   not inferred: the bench wraps the shard's ANN call and the module's exact_search;
 * the same with EXACT_MAX_ROWS = 0 set on the shard instance, so every tenant goes through the ANN
@@ -314,7 +315,9 @@ def main(argv=None) -> int:
                 faiss.omp_set_num_threads(os.cpu_count() or 1)
             print(f"\n=== {factory}  (build {build_s:.1f}s incl. SQLite + BM25 index; "
                   f"knobs {desc.search_defaults or 'server defaults: nprobe 32, efSearch 128, k_factor 4'})")
-            print(f"-- EXACT_MAX_ROWS = {LocalShard.EXACT_MAX_ROWS} (server default)")
+            print(f"-- exact below max({LocalShard.EXACT_MIN_ROWS} rows, "
+                  f"{LocalShard.EXACT_MAX_FRACTION:.0%} of the shard), cap {LocalShard.EXACT_MAX_ROWS} "
+                  "(server default)")
             print(HEADER)
             print(fmt_row(unres, args.n))
             for r in default_rows:

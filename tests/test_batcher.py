@@ -123,3 +123,28 @@ def test_model_errors_fail_the_batch_not_the_batcher():
         await b.close()
 
     run(main())
+
+
+def test_queries_go_before_queued_ingest_and_batches_never_mix_classes():
+    dev = Device()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        b = MicroBatcher("t", dev, max_batch=64, max_tokens=10_000, max_wait_ms=0,
+                         max_background_batch=4)
+        dev.gate.clear()
+        first = asyncio.ensure_future(b.submit(0, background=True))
+        await loop.run_in_executor(None, dev.entered.wait, 10)  # [0] holds the device
+        ingest = [asyncio.ensure_future(b.submit(100 + i, background=True)) for i in range(10)]
+        await asyncio.sleep(0)
+        queries = [asyncio.ensure_future(b.submit(i)) for i in range(1, 4)]
+        await asyncio.sleep(0)
+        dev.gate.set()
+        await asyncio.gather(first, *ingest, *queries)
+        await b.close()
+
+    run(main())
+    assert dev.calls[0] == [0]
+    assert dev.calls[1] == [1, 2, 3]  # the queries, although they arrived after the ingest
+    assert all(len(c) <= 4 and all(x >= 100 for x in c) for c in dev.calls[2:])
+    assert sum(len(c) for c in dev.calls) == 14

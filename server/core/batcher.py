@@ -1,16 +1,20 @@
 """Dynamic micro-batching in front of a device model.
 
-Policy: requests queue in arrival order; a batch closes when it holds `max_batch` items, when the
-next item would push it past `max_tokens`, or `max_wait_ms` after its first item arrived, whichever
-comes first. While a batch runs on the device the next one fills, so under load batches grow with
-no extra wait. Items whose caller has gone (cancelled, or past its deadline) are dropped before the
+Policy: requests queue in arrival order within two classes, interactive (queries) and background
+(document ingest). A batch holds one class only, interactive first whenever any is waiting, so a
+query never pads to a 256-token document chunk nor waits behind more than one small background
+batch (`max_background_batch`). A batch closes when it holds `max_batch` items, when the next item
+would push it past `max_tokens`, or `max_wait_ms` after its first item arrived, whichever comes
+first. While a batch runs on the device the next one fills, so under load batches grow with no
+extra wait. Items whose caller has gone (cancelled, or past its deadline) are dropped before the
 device call and counted. One worker thread owns the device: batches run one at a time.
 
-The handle is the whole interface: `await batcher.submit(item, cost, deadline)`.
+The handle is the whole interface: `await batcher.submit(item, cost, deadline, background)`.
 """
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
@@ -30,11 +34,12 @@ class _Pending:
     deadline: Optional[float]  # loop.time() seconds
     future: asyncio.Future
     enqueued: float
+    background: bool = False
 
 
 class MicroBatcher(Generic[T, R]):
     def __init__(self, name: str, fn: Callable[[Sequence[T]], Sequence[R]], max_batch: int = 32,
-                 max_tokens: int = 8192, max_wait_ms: float = 2.0):
+                 max_tokens: int = 8192, max_wait_ms: float = 2.0, max_background_batch: int = 8):
         if max_batch < 1 or max_tokens < 1 or max_wait_ms < 0:
             raise ValueError("max_batch and max_tokens must be >= 1 and max_wait_ms >= 0")
         self.name = name
@@ -42,29 +47,40 @@ class MicroBatcher(Generic[T, R]):
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         self.max_wait = max_wait_ms / 1e3
-        self._queue: Optional[asyncio.Queue[_Pending]] = None
+        self.max_background_batch = max(1, min(max_background_batch, max_batch))
+        self._queues: Optional[tuple[deque, deque]] = None  # (interactive, background)
+        self._arrived: Optional[asyncio.Event] = None
         self._worker: Optional[asyncio.Task] = None
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-device")
-        self._carry: Optional[_Pending] = None
         self._closing = False
         self.batches = 0
         self.dropped = 0
 
     def start(self) -> None:
         if self._worker is None:
-            self._queue = asyncio.Queue()
+            self._queues = (deque(), deque())
+            self._arrived = asyncio.Event()
             self._worker = asyncio.get_running_loop().create_task(self._run(), name=f"{self.name}-batcher")
 
-    async def submit(self, item: T, cost: int = 1, deadline: Optional[float] = None) -> R:
-        """Queue one item; resolves to its result. `deadline` is in loop.time() seconds."""
+    def _depth(self) -> int:
+        return len(self._queues[0]) + len(self._queues[1])
+
+    def _put(self, p) -> None:
+        self._queues[1 if p is _STOP or p.background else 0].append(p)
+        self._arrived.set()
+
+    async def submit(self, item: T, cost: int = 1, deadline: Optional[float] = None,
+                     background: bool = False) -> R:
+        """Queue one item; resolves to its result. `deadline` is in loop.time() seconds;
+        `background` marks work (ingest) that must not delay interactive queries."""
         if self._closing:
             raise Unavailable(f"{self.name} batcher is shutting down")
         self.start()
         loop = asyncio.get_running_loop()
         pending = _Pending(item, max(1, min(cost, self.max_tokens)), deadline, loop.create_future(),
-                           loop.time())
-        self._queue.put_nowait(pending)
-        metrics.QUEUE_DEPTH.labels(self.name).set(self._queue.qsize())
+                           loop.time(), background)
+        self._put(pending)
+        metrics.QUEUE_DEPTH.labels(self.name).set(self._depth())
         return await pending.future
 
     def _alive(self, p: _Pending, now: float) -> bool:
@@ -79,32 +95,56 @@ class MicroBatcher(Generic[T, R]):
             return False
         return True
 
+    async def _take(self, klass: Optional[int], until: Optional[float]):
+        """Next item of `klass` (None: interactive first, else background), waiting until `until`
+        (loop time; None = forever). Returns None on timeout."""
+        loop = asyncio.get_running_loop()
+        while True:
+            for k in ((0, 1) if klass is None else (klass,)):
+                if self._queues[k]:
+                    return self._queues[k].popleft()
+            if klass == 0 and self._queues[1] and self._queues[1][0] is _STOP:
+                return None  # shutting down: close this batch
+            self._arrived.clear()
+            if until is None:
+                await self._arrived.wait()
+                continue
+            remaining = until - loop.time()
+            if remaining <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                return None
+
     async def _next_batch(self) -> Optional[list[_Pending]]:
         loop = asyncio.get_running_loop()
-        first = self._carry or await self._queue.get()
-        self._carry = None
+        first = await self._take(None, None)
         if first is _STOP:
             return None
+        klass = 1 if first.background else 0
+        limit = self.max_background_batch if first.background else self.max_batch
         batch, tokens = [first], first.cost
         close_at = first.enqueued + self.max_wait
-        while len(batch) < self.max_batch:
-            try:
-                p = self._queue.get_nowait()
-            except asyncio.QueueEmpty:
-                remaining = close_at - loop.time()
-                if remaining <= 0:
-                    break
-                try:
-                    p = await asyncio.wait_for(self._queue.get(), remaining)
-                except asyncio.TimeoutError:
-                    break
+        while len(batch) < limit:
+            if klass == 1 and self._queues[0]:
+                break  # a query arrived: let it go next
+            p = self._take_nowait(klass)
+            if p is None:
+                p = await self._take(klass, close_at)
+            if p is None:
+                break
             if p is _STOP or tokens + p.cost > self.max_tokens:
-                self._carry = p  # opens the next batch (or ends the worker after this one)
+                self._queues[klass].appendleft(p)  # opens the next batch (or ends the worker)
                 break
             batch.append(p)
             tokens += p.cost
         now = loop.time()
         return [p for p in batch if self._alive(p, now)]
+
+    def _take_nowait(self, klass: int):
+        q = self._queues[klass]
+        return q.popleft() if q else None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -112,7 +152,7 @@ class MicroBatcher(Generic[T, R]):
             batch = await self._next_batch()
             if batch is None:
                 return
-            metrics.QUEUE_DEPTH.labels(self.name).set(self._queue.qsize())
+            metrics.QUEUE_DEPTH.labels(self.name).set(self._depth())
             if not batch:
                 continue
             now = loop.time()
@@ -138,6 +178,6 @@ class MicroBatcher(Generic[T, R]):
         """Stop accepting, let queued work finish, then stop the worker."""
         self._closing = True
         if self._worker is not None:
-            self._queue.put_nowait(_STOP)
+            self._put(_STOP)
             await self._worker
         self._device.shutdown(wait=True)

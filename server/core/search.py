@@ -263,7 +263,7 @@ class SearchCore:
         return mode
 
     async def _embed(self, text: str, desc: ReleaseDescriptor, deadline: Optional[float],
-                     notes: list[str]) -> np.ndarray:
+                     notes: list[str], background: bool = False) -> np.ndarray:
         """Embed through the cache (key: model id + sha256 of the text, shared by queries and
         ingest) and the micro-batcher."""
         if self.embedder is None:
@@ -281,7 +281,8 @@ class SearchCore:
         tokens = self.embedder.count_tokens([text])[0]
         if tokens > self.embedder.max_length:
             notes.append(f"query has {tokens} tokens; embedded its first {self.embedder.max_length}")
-        vec = await self.embed_batcher.submit(text, min(tokens, self.embedder.max_length), deadline)
+        vec = await self.embed_batcher.submit(text, min(tokens, self.embedder.max_length), deadline,
+                                              background)
         self._embed_cache[key] = vec
         if len(self._embed_cache) > self.config.embedding_cache_size:
             self._embed_cache.popitem(last=False)
@@ -574,7 +575,7 @@ class SearchCore:
         if op == "upsert":
             chunks = chunk_text(body["text"])
             vecs = await asyncio.gather(*(self._embed(embed_text(body["title"], c.text), coll.desc,
-                                                      None, []) for c in chunks))
+                                                      None, [], background=True) for c in chunks))
             vectors = np.vstack(vecs).astype(np.float32) if vecs else None
         key = (coll.name, coll.desc.build_id, shard.shard_no)
         writer = self._writers.get(key)
