@@ -146,6 +146,20 @@ def start_core_server(data_dir, embedder=None, reranker=None, **config):
     return ServerThread(core, AnonymousAuth("default")).start()
 
 
+_CHILDREN: list = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leftover_processes():
+    """Every server process a test started is gone when the session ends, even when a fixture
+    failed half-way through its setup."""
+    yield
+    for proc in _CHILDREN:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 class ShardProcess:
     """A real shard server process (`search-server shard`) on an ephemeral loopback port."""
 
@@ -159,6 +173,7 @@ class ShardProcess:
              "--collection", collection, "--shard", str(shard), "--port", "0", "--device", "cpu",
              "--log-level", "WARNING", *flags],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _CHILDREN.append(self.proc)
         self.lines = []
         for line in self.proc.stdout:  # the server prints its port once it is serving
             self.lines.append(line)

@@ -38,13 +38,15 @@ def three_shard_build(tmp_path_factory, tiny_embedder, cranfield_docs):
 @pytest.fixture(scope="module")
 def cluster(three_shard_build, tiny_embedder):
     procs = [[ShardProcess(three_shard_build, "cran3", s) for _ in range(2)] for s in range(3)]
-    router = start_router(tiny_embedder, "cran3", [[p.address for p in reps] for reps in procs],
-                          HedgePolicy(hedge_min_ms=20, hedge_max_ms=200))
-    yield router, procs
-    router.stop()
-    for reps in procs:
-        for p in reps:
-            p.stop()
+    try:
+        router = start_router(tiny_embedder, "cran3", [[p.address for p in reps] for reps in procs],
+                              HedgePolicy(hedge_min_ms=20, hedge_max_ms=200))
+        yield router, procs
+        router.stop()
+    finally:
+        for reps in procs:
+            for p in reps:
+                p.stop()
 
 
 def stub_for(address):

@@ -14,7 +14,7 @@ import pytest
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import REPO, start_core_server
+from conftest import _CHILDREN, REPO, start_core_server
 
 APPLIED, NOOP = pb.WriteResponse.APPLIED, pb.WriteResponse.NOOP_STALE_VERSION
 
@@ -165,6 +165,7 @@ class ServerProcess:
              "--device", "cpu", "--embedder", str(embedder_dir), "--embedder-name",
              "tiny-test-embedder", "--log-level", "WARNING"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _CHILDREN.append(self.proc)
         lines = []
         for line in self.proc.stdout:
             lines.append(line)
