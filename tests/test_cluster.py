@@ -273,7 +273,7 @@ def test_hits_shipped_without_text_are_fetched_and_answers_do_not_change(three_s
         remote, local = stub_for(router.address), stub_for(embedded.address)
         for q in QUERIES[:3]:
             for mode in (pb.DENSE, pb.LEXICAL, pb.HYBRID):
-                req = pb.SearchRequest(collection="cran3", text=q, top_k=10, mode=mode, include_trace=True)
+                req = pb.SearchRequest(collection="cran3", text=q, top_k=10, mode=mode)
                 a, b = remote.Search(req, timeout=20), local.Search(req, timeout=20)
                 assert [(h.chunk_id, h.text, h.start_offset) for h in a.hits] == \
                     [(h.chunk_id, h.text, h.start_offset) for h in b.hits]

@@ -291,3 +291,18 @@ def test_random_kills_during_a_stream_of_replaces_never_lose_a_document(crash_bu
                 assert again.outcome == NOOP  # replaying an acknowledged version is a no-op
     finally:
         srv.close()
+
+
+def test_a_row_fetched_after_its_document_was_replaced_is_dropped_not_mixed(live):
+    """Hits beyond the text window travel as rows and are fetched later; a row replaced in between
+    must not come back with the new version's text (one ranking, one document version)."""
+    from server.core.chunking import chunk_id, shard_of
+
+    srv, stub = live
+    upsert(stub, "mix-1", 1, "zyxtheta first version")
+    coll = srv.core.collections["live"]
+    shard = coll.shards[shard_of("mix-1", coll.desc.shards)]
+    row = shard.store.fetch_chunk_ids([chunk_id("mix-1", 0)])[0].row
+    assert len(shard.fetch_chunks_sync(coll.desc.build_id, "default", (), [row])) == 1
+    upsert(stub, "mix-1", 2, "zyxtheta second version")
+    assert shard.fetch_chunks_sync(coll.desc.build_id, "default", (), [row]) == []

@@ -238,7 +238,9 @@ def test_fetching_chunks_by_id_is_restricted_to_the_callers_tenant_and_scopes(mt
     coll = mt_server.core.collections["mt"]
     shard_big, shard_hr = coll.shards[big.shard], coll.shards[hr.shard]
     build = coll.desc.build_id
-    assert [c.chunk_id for c in shard_big.fetch_chunks_sync(build, "big", (), [big.chunk_id])] == [big.chunk_id]
-    assert shard_big.fetch_chunks_sync(build, "small", (), [big.chunk_id]) == []
-    assert shard_hr.fetch_chunks_sync(build, "acme", (), [hr.chunk_id]) == []
-    assert len(shard_hr.fetch_chunks_sync(build, "acme", ("hr",), [hr.chunk_id])) == 1
+    big_row = shard_big.store.fetch_chunk_ids([big.chunk_id])[0].row
+    hr_row = shard_hr.store.fetch_chunk_ids([hr.chunk_id])[0].row
+    assert [c.chunk_id for c in shard_big.fetch_chunks_sync(build, "big", (), [big_row])] == [big.chunk_id]
+    assert shard_big.fetch_chunks_sync(build, "small", (), [big_row]) == []
+    assert shard_hr.fetch_chunks_sync(build, "acme", (), [hr_row]) == []
+    assert len(shard_hr.fetch_chunks_sync(build, "acme", ("hr",), [hr_row])) == 1

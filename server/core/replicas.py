@@ -189,7 +189,7 @@ class ReplicaSet:
             for task in running:
                 task.cancel()  # the loser of a hedge, or calls outliving a failure
 
-    async def fetch_chunks(self, build_id, tenant, acl_scopes, chunk_ids, timeout=None):
+    async def fetch_chunks(self, build_id, tenant, acl_scopes, rows, timeout=None):
         """A small follow-up read: least-outstanding replica first, the next one on UNAVAILABLE."""
         tried: set[int] = set()
         failures = []
@@ -200,8 +200,7 @@ class ReplicaSet:
                                   f"{'; '.join(failures)}")
             tried.add(i)
             try:
-                return await self.replicas[i].fetch_chunks(build_id, tenant, acl_scopes, chunk_ids,
-                                                           timeout)
+                return await self.replicas[i].fetch_chunks(build_id, tenant, acl_scopes, rows, timeout)
             except RETRYABLE as exc:
                 failures.append(str(exc))
 

@@ -384,13 +384,16 @@ class SearchCore:
             self._check_deadline(deadline, "embed")
             vector = await self._embed(q.text, desc, deadline, notes)
             t = lap("embed", t)
-        dense_depth = q.dense_depth or max(self.config.default_depth, q.top_k)
-        lexical_depth = q.lexical_depth or max(self.config.default_depth, q.top_k)
         window = max(q.top_k * 4, q.rerank_depth)  # the hits assembly and rerank may read
+        # fusion wants deep candidate lists; a single retriever needs only what assembly reads
+        single = window if mode != "hybrid" else 0
+        dense_depth = q.dense_depth or max(single or self.config.default_depth, q.top_k)
+        lexical_depth = q.lexical_depth or max(single or self.config.default_depth, q.top_k)
         sq = ShardQuery(desc.build_id, tenant,
                         vector.astype(np.float32) if mode != "lexical" else None, desc.model_id,
                         q.text if mode != "dense" else "", dense_depth, lexical_depth, q.filters,
-                        acl_scopes, text_top_n=self.config.text_top_n or window)
+                        acl_scopes,
+                        text_top_n=0 if q.include_trace else (self.config.text_top_n or window))
         self._check_deadline(deadline, "retrieval")
         results, shard_errors = await self._fan_out(coll, sq, deadline, q.allow_partial)
         t = lap("retrieve", t)
@@ -423,7 +426,7 @@ class SearchCore:
         else:
             ranked = [RankedHit(c, c.score, "bm25", None, lex_pos[c.chunk_id]) for c in lexical]
         t = lap("fusion", t)
-        if any(h.candidate.record.text is None for h in ranked[:window]):
+        if any(h.candidate.record.text is None for h in ranked):
             ranked = await self._fill_texts(coll, ranked, window, tenant, acl_scopes, deadline)
             t = lap("fetch", t)
 
@@ -486,23 +489,26 @@ class SearchCore:
 
     async def _fill_texts(self, coll: LoadedCollection, ranked: list[RankedHit], window: int,
                           tenant: str, acl_scopes: tuple, deadline: Optional[float]) -> list[RankedHit]:
-        """Remote shards ship text for their top hits only; fetch the few others that fusion put
-        in the window. Hits past the window without text, and chunks deleted meanwhile, drop out."""
+        """Shards ship text for their top hits only; fetch the few others that fusion put in the
+        window, by row (a row replaced or deleted meanwhile drops out: a ranking never mixes
+        document versions). Hits past the window without text drop out too."""
         missing: dict[int, list[int]] = {}
         for h in ranked[:window]:
             if h.candidate.record.text is None:
-                missing.setdefault(h.candidate.shard, []).append(h.candidate.chunk_id)
+                missing.setdefault(h.candidate.shard, []).append(h.candidate.record.row)
+        if not missing:
+            return [h for h in ranked if h.candidate.record.text is not None]
         loop = asyncio.get_running_loop()
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
         shards = {s.shard_no: s for s in coll.shards}
         fetched = await asyncio.gather(*(
             shards[s].fetch_chunks(coll.desc.build_id, tenant, acl_scopes, ids, timeout)
             for s, ids in missing.items()))
-        found = {c.chunk_id: c.record for batch in fetched for c in batch}
+        found = {(s, c.record.row): c.record for s, batch in zip(missing, fetched) for c in batch}
         out = []
         for h in ranked:
             if h.candidate.record.text is None:
-                rec = found.get(h.candidate.chunk_id)
+                rec = found.get((h.candidate.shard, h.candidate.record.row))
                 if rec is None:
                     continue
                 h.candidate.record = rec

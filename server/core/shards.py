@@ -252,11 +252,25 @@ class LocalShard:
                     allowed.rows.tolist() if ranged and allowed is not None else None)
                 lexical_rows = list(zip(rows, scores))
                 lexical_ms = (time.perf_counter() - t0) * 1e3
-            records = self.store.fetch(sorted({r for r, _ in dense_rows} | {r for r, _ in lexical_rows}))
+            # read records (text, offsets) only for the hits the router may show; the rest travel
+            # as ids and scores and are fetched later if fusion promotes them (fetch_chunks)
+            n = q.text_top_n or None
+            records = self.store.fetch(sorted({r for r, _ in dense_rows[:n]} |
+                                              {r for r, _ in lexical_rows[:n]}))
+            live = self.live
 
         def candidates(pairs):
             out = []
-            for row, score in pairs:
+            for i, (row, score) in enumerate(pairs):
+                if n is not None and i >= n:
+                    # visibility of an unread row: the mask (or, on the fast path, liveness) that
+                    # the search itself used; its record is read, and re-checked, if it is fetched
+                    if (allowed is not None and not allowed.mask[row]) or not live[row]:
+                        continue
+                    cid = int(self.dense.row_ids[row])
+                    out.append(Candidate(cid, score, ChunkRecord(row, cid, "", 0, 0, 0, "", None,
+                                                                 q.tenant, {}, ()), self.shard_no))
+                    continue
                 rec = records.get(row)
                 # re-check against the store, the authority on visibility (fetch returns live rows)
                 if (rec is None or rec.tenant != q.tenant or not set(rec.acl) & set(scopes)
@@ -274,21 +288,22 @@ class LocalShard:
         return await asyncio.wait_for(fut, timeout) if timeout is not None else await fut
 
     def fetch_chunks_sync(self, build_id: str, tenant: str, acl_scopes: Sequence[str],
-                          chunk_ids: Sequence[int]) -> list[Candidate]:
+                          rows: Sequence[int]) -> list[Candidate]:
+        """Records of rows still live and visible to the caller (rows identify chunk versions)."""
         if build_id != self.desc.build_id:
             raise FailedPrecondition(f"shard {self.shard_no} serves build {self.desc.build_id}, "
                                      f"not {build_id}")
         scopes = set(acl_scopes) | {PUBLIC_ACL}
         with self._rw.read():
-            records = self.store.fetch_chunk_ids(chunk_ids)
-        return [Candidate(r.chunk_id, 0.0, r, self.shard_no) for r in records
+            records = self.store.fetch([int(r) for r in rows])
+        return [Candidate(r.chunk_id, 0.0, r, self.shard_no) for r in records.values()
                 if r.tenant == tenant and scopes.intersection(r.acl)]
 
     async def fetch_chunks(self, build_id: str, tenant: str, acl_scopes: Sequence[str],
-                           chunk_ids: Sequence[int], timeout: Optional[float] = None) -> list[Candidate]:
+                           rows: Sequence[int], timeout: Optional[float] = None) -> list[Candidate]:
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self.executor, self.fetch_chunks_sync, build_id, tenant,
-                                   acl_scopes, chunk_ids)
+                                   acl_scopes, rows)
         return await asyncio.wait_for(fut, timeout) if timeout is not None else await fut
 
     # --- streaming writes --------------------------------------------------------------------

@@ -50,10 +50,11 @@ def query_from_pb(r: spb.ShardSearchRequest) -> ShardQuery:
 
 
 def _hit_pb(c: Candidate, with_text: bool = True) -> spb.ShardHit:
+    with_text = with_text and c.record.text is not None
     r = c.record
     hit = spb.ShardHit(chunk_id=r.chunk_id, score=c.score, doc_id=r.doc_id, acl=list(r.acl),
                        chunk_index=r.chunk_index, start_offset=r.start_offset,
-                       end_offset=r.end_offset, tenant=r.tenant, has_text=with_text)
+                       end_offset=r.end_offset, tenant=r.tenant, has_text=with_text, row=max(r.row, 0))
     if with_text:
         hit.text, hit.title = r.text, r.title
         hit.metadata.update({str(k): str(v) for k, v in r.metadata.items()})
@@ -73,7 +74,7 @@ def result_to_pb(res: ShardResult, text_top_n: int = 0) -> spb.ShardSearchRespon
 def result_from_pb(p: spb.ShardSearchResponse) -> ShardResult:
     def cands(hits):
         return [Candidate(h.chunk_id, h.score,
-                          ChunkRecord(-1, h.chunk_id, h.doc_id, h.chunk_index, h.start_offset,
+                          ChunkRecord(h.row, h.chunk_id, h.doc_id, h.chunk_index, h.start_offset,
                                       h.end_offset, h.title, h.text if h.has_text else None,
                                       h.tenant, dict(h.metadata), tuple(h.acl)),
                           p.shard) for h in hits]
@@ -102,7 +103,7 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
     @boundary("FetchChunks")
     async def FetchChunks(self, request, context):
         cands = await self.shard.fetch_chunks(request.build_id, request.tenant,
-                                              tuple(request.acl_scopes), list(request.chunk_ids),
+                                              tuple(request.acl_scopes), list(request.rows),
                                               context.time_remaining())
         return spb.FetchChunksResponse(chunks=[_hit_pb(c) for c in cands])
 
@@ -145,9 +146,9 @@ class RemoteShard:
             raise cls(f"{self.address}: {err.code().name}: {err.details()}") from None
         return result_from_pb(resp)
 
-    async def fetch_chunks(self, build_id, tenant, acl_scopes, chunk_ids, timeout=None):
+    async def fetch_chunks(self, build_id, tenant, acl_scopes, rows, timeout=None):
         req = spb.FetchChunksRequest(build_id=build_id, tenant=tenant, acl_scopes=list(acl_scopes),
-                                     chunk_ids=list(chunk_ids))
+                                     rows=list(rows))
         try:
             resp = await self.stub.FetchChunks(req, timeout=timeout)
         except grpc.aio.AioRpcError as err:
