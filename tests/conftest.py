@@ -70,19 +70,23 @@ def cranfield_docs():
     return list(read_corpus(CRANFIELD))
 
 
-@pytest.fixture(scope="session")
-def small_collection(tmp_path_factory, tiny_embedder, cranfield_docs):
-    """300 Cranfield documents, 2 shards, Flat, built with the tiny embedder and published."""
+def publish_build(data, name, docs, embedder, factory="Flat", shards=1, **kw):
+    """Build, audit and publish a collection under `data`; returns its descriptor."""
     from index_builder.build import audit_build, build_collection
     from server.core.collection import CollectionStore
 
-    data = tmp_path_factory.mktemp("data")
     store = CollectionStore(data)
-    desc = build_collection(cranfield_docs[:300], store, "cran", tiny_embedder, "Flat", shards=2,
-                            quiet=True)
-    audit_build(store, "cran", desc.build_id)
-    store.publish("cran", desc.build_id)
-    return data, desc
+    desc = build_collection(docs, store, name, embedder, factory, shards=shards, quiet=True, **kw)
+    audit_build(store, name, desc.build_id)
+    store.publish(name, desc.build_id)
+    return desc
+
+
+@pytest.fixture(scope="session")
+def small_collection(tmp_path_factory, tiny_embedder, cranfield_docs):
+    """300 Cranfield documents, 2 shards, Flat, built with the tiny embedder and published."""
+    data = tmp_path_factory.mktemp("data")
+    return data, publish_build(data, "cran", cranfield_docs[:300], tiny_embedder, shards=2)
 
 
 class ServerThread:

@@ -11,7 +11,7 @@ from server.core.replicas import HedgePolicy
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import ShardProcess, start_core_server, start_router
+from conftest import ShardProcess, publish_build, start_core_server, start_router
 
 QUERIES = ["boundary layer transition", "supersonic flow over a cone", "heat transfer to a wall",
            "buckling of cylindrical shells", "slip flow", "wing flutter at transonic speed"]
@@ -19,19 +19,9 @@ QUERIES = ["boundary layer transition", "supersonic flow over a cone", "heat tra
 
 @pytest.fixture(scope="module")
 def three_shard_build(tmp_path_factory, tiny_embedder, cranfield_docs):
-    from index_builder.build import audit_build, build_collection
-    from server.core.collection import CollectionStore
-
     data = tmp_path_factory.mktemp("cluster")
-    store = CollectionStore(data)
-    desc = build_collection(cranfield_docs[:300], store, "cran3", tiny_embedder, "Flat", shards=3,
-                            quiet=True)
-    audit_build(store, "cran3", desc.build_id)
-    store.publish("cran3", desc.build_id)
-    one = build_collection(cranfield_docs[:120], store, "cran1", tiny_embedder, "Flat", shards=1,
-                           quiet=True)
-    audit_build(store, "cran1", one.build_id)
-    store.publish("cran1", one.build_id)
+    publish_build(data, "cran3", cranfield_docs[:300], tiny_embedder, shards=3)
+    publish_build(data, "cran1", cranfield_docs[:120], tiny_embedder, shards=1)
     return data
 
 

@@ -7,18 +7,16 @@ import pytest
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import start_core_server
+from conftest import publish_build, start_core_server
 
 TOPICS = ["boundary layer", "shock wave", "heat transfer", "wing flutter", "jet noise"]
 
 
 @pytest.fixture(scope="module")
 def hybrid_server(tmp_path_factory, tiny_embedder, tiny_reranker_dir):
-    from index_builder.build import audit_build, build_collection
     from index_builder.corpus import Document
     from server.backends.device import Device
     from server.backends.models import CrossEncoder
-    from server.core.collection import CollectionStore
 
     docs = []
     for i in range(120):
@@ -31,10 +29,7 @@ def hybrid_server(tmp_path_factory, tiny_embedder, tiny_reranker_dir):
     docs.append(Document("ident", "Specification NACA-TN-4711 describes the zeta-omega procedure.",
                          title="specification", metadata={"product": "alpha", "lang": "en"}))
     data = tmp_path_factory.mktemp("hybrid")
-    store = CollectionStore(data)
-    desc = build_collection(docs, store, "h", tiny_embedder, "HNSW16,Flat", shards=3, quiet=True)
-    audit_build(store, "h", desc.build_id)
-    store.publish("h", desc.build_id)
+    publish_build(data, "h", docs, tiny_embedder, "HNSW16,Flat", shards=3)
     reranker = CrossEncoder(tiny_reranker_dir, Device("cpu"))
     srv = start_core_server(data, tiny_embedder, reranker, rerank_cap=50)
     yield srv, reranker

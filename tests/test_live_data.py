@@ -14,7 +14,7 @@ import pytest
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import _CHILDREN, REPO, start_core_server
+from conftest import _CHILDREN, REPO, publish_build, start_core_server
 
 APPLIED, NOOP = pb.WriteResponse.APPLIED, pb.WriteResponse.NOOP_STALE_VERSION
 
@@ -31,16 +31,8 @@ def long_text(markers, words_per_chunk=150):
 
 @pytest.fixture(scope="module")
 def live_build(tmp_path_factory, tiny_embedder, cranfield_docs):
-    from index_builder.build import audit_build, build_collection
-    from server.core.collection import CollectionStore
-
     data = tmp_path_factory.mktemp("live")
-    store = CollectionStore(data)
-    desc = build_collection(cranfield_docs[:60], store, "live", tiny_embedder, "Flat", shards=2,
-                            quiet=True)
-    audit_build(store, "live", desc.build_id)
-    store.publish("live", desc.build_id)
-    return data, desc
+    return data, publish_build(data, "live", cranfield_docs[:60], tiny_embedder, shards=2)
 
 
 @pytest.fixture(scope="module")
@@ -211,15 +203,8 @@ def version_text(doc_id, v):
 
 @pytest.fixture(scope="module")
 def crash_build(tmp_path_factory, tiny_embedder, tiny_embedder_dir, cranfield_docs):
-    from index_builder.build import audit_build, build_collection
-    from server.core.collection import CollectionStore
-
     data = tmp_path_factory.mktemp("crash")
-    store = CollectionStore(data)
-    desc = build_collection(cranfield_docs[:30], store, "live", tiny_embedder, "Flat", shards=1,
-                            quiet=True)
-    audit_build(store, "live", desc.build_id)
-    store.publish("live", desc.build_id)
+    publish_build(data, "live", cranfield_docs[:30], tiny_embedder)
     return data
 
 
