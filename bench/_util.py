@@ -60,3 +60,18 @@ class CpuMonitor:
         if other is not None:
             s += f", other processes {other:.2f} of {os.cpu_count()} cores"
         return s
+
+
+def wait_quiet(threshold: float = 0.3, max_wait: float = 60.0, window: float = 0.5) -> float | None:
+    """Block until other processes use under `threshold` cores over a `window`-second sample, or
+    `max_wait` seconds pass; returns the last sample (None where /proc/stat is unreadable).
+
+    On a shared machine this keeps benchmark cells out of other jobs' bursts; on an idle one it
+    returns after one window."""
+    deadline = time.perf_counter() + max(0.0, max_wait)
+    while True:
+        with CpuMonitor() as m:
+            time.sleep(window)
+        other = m.other_cores
+        if other is None or other < threshold or time.perf_counter() >= deadline:
+            return other

@@ -34,7 +34,10 @@ What it measures
   torch intra-op threads are set explicitly (--threads, default: the machine's core count) and
   printed, both as seen by the main thread and inside the batcher's device thread. The "other cpu"
   column is the average number of cores other processes used during that cell (from /proc/stat):
-  on a 2-core machine anything well above 0 means the cell's numbers are contended.
+  on a 2-core machine anything well above 0 means the cell's numbers are contended. On a shared
+  machine each cell first waits (up to --quiet-wait s) for other processes to drop under
+  --quiet-threshold cores, and a cell that was contended anyway is rerun (up to --cell-tries) and
+  its least contended run kept; on an idle machine this costs half a second per cell.
 
   Runtime: about 3-4 minutes on 2 cores with the defaults.
 
@@ -60,7 +63,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from bench._util import CpuMonitor, pct  # noqa: E402
+from bench._util import CpuMonitor, pct, wait_quiet  # noqa: E402
 
 DEFAULT_DATASET = REPO.parent / "shared" / "datasets" / "cranfield"
 
@@ -214,8 +217,30 @@ def main(argv=None) -> int:
     p.add_argument("--open-loop-requests", type=int, default=300)
     p.add_argument("--device-call-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--device-call-reps", type=int, default=9)
+    p.add_argument("--quiet-threshold", type=float, default=0.3,
+                   help="a cell counts as contended when other processes used more cores than this")
+    p.add_argument("--quiet-wait", type=float, default=60.0,
+                   help="seconds to wait, before each cell, for other processes to go quiet (0: don't)")
+    p.add_argument("--cell-tries", type=int, default=3,
+                   help="runs of a contended cell before keeping its least contended run")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+
+    def measured(fn):
+        """Run one cell, out of other jobs' bursts where possible: wait for quiet, run, and retry a
+        contended run (up to --cell-tries); keep the least contended run, tagged with its 'other'."""
+        best = None
+        for _ in range(max(1, args.cell_tries)):
+            if args.quiet_wait > 0:
+                wait_quiet(args.quiet_threshold, args.quiet_wait)
+            with CpuMonitor() as mon:
+                r = fn()
+            r["other"] = mon.other_cores
+            if best is None or (r["other"] or 0) < (best["other"] or 0):
+                best = r
+            if r["other"] is None or r["other"] < args.quiet_threshold:
+                break
+        return best
 
     import torch
 
@@ -244,15 +269,17 @@ def main(argv=None) -> int:
         embedder.encode(texts[:32])
 
     sizes = [int(x) for x in args.device_call_sizes.split(",") if x.strip()]
-    with CpuMonitor() as mon:
-        table = device_call_table(embedder, texts, sizes, args.device_call_reps)
-        one_thread = None
-        if args.threads != 1 and embedder.device.torch_device == "cpu":
-            torch.set_num_threads(1)  # the same calls with one intra-op thread, for comparison
-            one_thread = device_call_table(embedder, texts, sizes, args.device_call_reps)
-            torch.set_num_threads(args.threads)
+    table = measured(lambda: {"rows": device_call_table(embedder, texts, sizes, args.device_call_reps)})
+    one_thread = None
+    if args.threads != 1 and embedder.device.torch_device == "cpu":
+        torch.set_num_threads(1)  # the same calls with one intra-op thread, for comparison
+        one_thread = measured(lambda: {"rows": device_call_table(embedder, texts, sizes,
+                                                                 args.device_call_reps)})
+        torch.set_num_threads(args.threads)
+    others = [fmt_other(t["other"]) for t in (table, one_thread) if t]
+    table, one_thread = table["rows"], one_thread["rows"] if one_thread else None
     print(f"\nDevice-call cost (Embedder.encode directly, no batcher; {args.device_call_reps} calls "
-          f"per size; other processes {fmt_other(mon.other_cores)} cores):")
+          f"per size; other processes {' / '.join(others)} cores):")
     print(f"{'batch':>6}{'min ms':>9}{'median ms':>11}{'ms/query(min)':>15}{'queries/s(min)':>16}"
           f"{'pad eff':>9}" + (f"{'min ms @1 thread':>18}" if one_thread else ""))
     for i, (b, lo, md, eff) in enumerate(table):
@@ -268,11 +295,9 @@ def main(argv=None) -> int:
     for _ in range(args.repeats):  # rounds, and configs interleaved per level: drift hits all alike
         for c in levels:
             for name, mb in configs:
-                with CpuMonitor() as mon:
-                    r = asyncio.run(closed_loop(embedder, texts, costs, c, args.requests, mb,
-                                                args.max_wait_ms, args.max_tokens))
-                r["other"] = mon.other_cores
-                runs[(name, c)].append(r)
+                runs[(name, c)].append(measured(lambda: asyncio.run(closed_loop(
+                    embedder, texts, costs, c, args.requests, mb, args.max_wait_ms,
+                    args.max_tokens))))
     results = {k: {"qps": med([r["qps"] for r in v]), "qps_min": min(r["qps"] for r in v),
                    "qps_max": max(r["qps"] for r in v), "p50": med([r["p50"] for r in v]),
                    "p99": med([r["p99"] for r in v]), "mean_batch": med([r["mean_batch"] for r in v]),
@@ -336,11 +361,11 @@ def main(argv=None) -> int:
         print("-" * len(header))
         for load, rate in zip(loads, rates):
             for name, mb in configs:
-                with CpuMonitor() as mon:
-                    r = asyncio.run(open_loop(embedder, texts, costs, rate, args.open_loop_requests,
-                                              mb, args.max_wait_ms, args.max_tokens, args.seed))
+                r = measured(lambda: asyncio.run(open_loop(
+                    embedder, texts, costs, rate, args.open_loop_requests, mb, args.max_wait_ms,
+                    args.max_tokens, args.seed)))
                 print(f"{name:<12}{load:>6.2f}{rate:>12.1f}{r['qps']:>12.1f}{r['p50']:>9.1f}"
-                      f"{r['p99']:>10.1f}{r['mean_batch']:>12.1f}{fmt_other(mon.other_cores):>11}")
+                      f"{r['p99']:>10.1f}{r['mean_batch']:>12.1f}{fmt_other(r['other']):>11}")
     return 0
 
 

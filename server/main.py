@@ -46,7 +46,9 @@ def _models(s: argparse.ArgumentParser) -> None:
     s.add_argument("--rerank-cap", type=int, default=200, help="largest rerank_depth accepted")
     s.add_argument("--max-inflight", type=int, default=256,
                    help="admission control: requests beyond this get RESOURCE_EXHAUSTED")
-    s.add_argument("--batch-max-size", type=int, default=64)
+    s.add_argument("--batch-max-size", type=int, default=None,
+                   help="items per device call (default: 16 on CPU, where padding makes larger "
+                        "batches slower per item (bench/bench_batching.py); 64 on CUDA)")
     s.add_argument("--batch-max-wait-ms", type=float, default=2.0)
     s.add_argument("--tenant", default="default",
                    help="the tenant every caller belongs to when authentication is off")
@@ -114,10 +116,11 @@ def _make_core(args, data_dir, device):
 
     embedder = Embedder(args.embedder, device, args.embedder_backend, model_name=args.embedder_name)
     reranker = CrossEncoder(args.reranker, device, args.reranker_backend) if args.reranker else None
+    max_batch = args.batch_max_size or (64 if device.torch_cuda else 16)
     config = SearchConfig(data_dir=data_dir, max_inflight=args.max_inflight,
-                          rerank_cap=args.rerank_cap, embed_max_batch=args.batch_max_size,
+                          rerank_cap=args.rerank_cap, embed_max_batch=max_batch,
                           embed_max_wait_ms=args.batch_max_wait_ms,
-                          rerank_max_batch=args.batch_max_size,
+                          rerank_max_batch=max_batch,
                           rerank_max_wait_ms=args.batch_max_wait_ms,
                           collections=getattr(args, "collection", None)
                           if args.command == "serve" else None)
