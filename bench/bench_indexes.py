@@ -35,8 +35,9 @@ Run
     .venv/bin/python bench/bench_indexes.py --n 20000 --queries 500   # quick
     .venv/bin/python bench/bench_indexes.py --json bench/results/indexes.json
 
-On a 2-core machine the default run takes a few minutes (HNSW construction and the two IVF k-means
-trainings dominate).
+On an idle 2-core machine the default run takes about 2 minutes (the "IVF1024,PQ48" build dominates:
+factory "PQ48" turns on faiss's polysemous training; "PQ48np" would skip it). The last line reports
+how much CPU OTHER processes used meanwhile: timings are only meaningful when that is ~0%.
 """
 from __future__ import annotations
 

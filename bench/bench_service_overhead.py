@@ -21,8 +21,15 @@ What it measures
    difference is pure service overhead) and dense_depth=0 (the server's default depth,
    limits.DEFAULT_DEPTH=100 candidates fetched from the docstore, then cut to top_k 10).
 4. Prints QPS, p50/p99 latency for each, the service/in-process QPS ratio at concurrency C
-   (goal >= 0.7x) and the added p50 latency (goal < 1 ms), plus CPU time per request of the server
-   process and the client process (shows whether the cores are saturated and by whom).
+   (goal >= 0.7x) and the added p50 latency (goal < 1 ms), plus: CPU time per request of the server
+   process and the client process (shows whether the cores are saturated and by whom), the server's
+   own stage timings (SearchResponse.timings: faiss+shard "dense", SearchCore "total"), and the
+   server process's CPU per request split by thread (event loop / shard executor / gRPC C-core /
+   other, which includes OpenMP workers), from /proc.
+   The server's whole-result cache (SearchConfig.retrieval_cache_size) is turned off, since the
+   client cycles a fixed query set (--retrieval-cache N turns it back on).
+   The last line reports how much CPU OTHER processes used during the run: the numbers are only
+   meaningful when that is ~0% (this box is shared; rerun when it is not).
 
 Run
 ---
@@ -270,6 +277,7 @@ class ServerThread:
         from server.transport.auth import AnonymousAuth
 
         asyncio.set_event_loop(self.loop)
+        ServerThread.native_id = threading.get_native_id()
         try:
             self.running = self.loop.run_until_complete(
                 start_server(self.core, AnonymousAuth("default"), "127.0.0.1", 0))
@@ -300,6 +308,40 @@ class ServerThread:
 def cpu_now() -> float:
     t = os.times()
     return t.user + t.system
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread group of this process (Linux /proc; {} elsewhere). Groups: the
+    asyncio/grpc.aio event loop thread, the shard executor threads, gRPC C-core's own threads,
+    everything else (main thread, OpenMP workers, ...)."""
+    out: dict[str, float] = {}
+    hz = os.sysconf("SC_CLK_TCK")
+    loop_tid = getattr(ServerThread, "native_id", None)
+    py = {t.native_id: t.name for t in threading.enumerate()}  # Python names its threads only here
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        comm = raw[raw.index("(") + 1:raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2:].split()
+        cpu = (int(fields[11]) + int(fields[12])) / hz
+        name = py.get(int(tid))
+        if int(tid) == loop_tid:
+            group = "event loop"
+        elif name is not None and name.startswith("shard"):
+            group = "shard threads"
+        elif name is None and comm not in ("python", "python3") and not comm.startswith("python"):
+            group = "grpc core"  # native threads gRPC C-core names (grpc_global_tim, ...)
+        else:
+            group = "other"  # main thread, OpenMP workers (native but unnamed), ...
+        out[group] = out.get(group, 0.0) + cpu
+    return out
 
 
 def main(argv=None) -> int:
@@ -400,11 +442,12 @@ def main(argv=None) -> int:
                "top_k": args.top_k, "depths": args.depths, "model_id": MODEL_ID}
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--client",
                                  json.dumps(cfg)], stdout=subprocess.PIPE, text=True, cwd=REPO)
-        marks, client_out = {}, None
+        marks, tmarks, client_out = {}, {}, None
         for line in proc.stdout:
             if line.startswith("MARK "):
                 name, edge = line[5:].strip().rsplit(" ", 1)
                 marks[(name, edge)] = cpu_now()
+                tmarks[(name, edge)] = thread_cpu()
             elif line.startswith("RESULT "):
                 client_out = json.loads(line[7:])
             else:
@@ -415,6 +458,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"client process failed (exit {rc})")
         for res in client_out["levels"]:
             res["server_cpu_s"] = marks[(res["name"], "end")] - marks[(res["name"], "start")]
+            t0, t1 = tmarks[(res["name"], "start")], tmarks[(res["name"], "end")]
+            res["server_thread_cpu_s"] = {g: t1.get(g, 0.0) - t0.get(g, 0.0) for g in t1}
             results.append(res)
             print(f"  {res['name']}: {res['qps']:.0f} QPS, p50 {res['p50_ms']:.3f} ms", flush=True)
         for depth, got in client_out["check"].items():
@@ -454,6 +499,17 @@ def report(results: list[dict], args, base_k: int, info: dict) -> None:
               f"{r['server_cpu_s'] / r['requests'] * 1e6:>14.0f} "
               f"{(cli / r['requests'] * 1e6) if cli is not None else float('nan'):>14.0f} "
               f"{st.get('dense', float('nan')):>13.3f} {st.get('total', float('nan')):>13.3f}")
+    groups = ["event loop", "shard threads", "grpc core", "other"]
+    if any(r.get("server_thread_cpu_s") for r in results):
+        print("\nserver process CPU per request by thread (us/req):")
+        print(f"{'path':<34} {'conc':>4} " + " ".join(f"{g:>13}" for g in groups))
+        for r in results:
+            tc = r.get("server_thread_cpu_s")
+            if not tc:
+                continue
+            print(f"{'gRPC Search dense_depth=' + str(r['depth'] or '100 (dflt)'):<34} "
+                  f"{r['concurrency']:>4} "
+                  + " ".join(f"{tc.get(g, 0.0) / r['requests'] * 1e6:>13.0f}" for g in groups))
     cmax = max(args.concurrency)
     print()
     for r in results:
@@ -476,6 +532,57 @@ def report(results: list[dict], args, base_k: int, info: dict) -> None:
           f"total p50 = medians of the stage timings the server reports in SearchResponse.timings: "
           f"faiss+shard time, and SearchCore time from validation to assembly; p50 minus srv "
           f"total = gRPC transport, both Python stacks and event-loop queueing)")
+    limits_note(results, args)
+
+
+def limits_note(results: list[dict], args) -> None:
+    """A short, data-driven note on what bounds the service numbers on this machine."""
+    svc = [r for r in results if r["depth"] == args.depths[0]]
+    by_c = {r["concurrency"]: r for r in svc}
+    base = {r["concurrency"]: r for r in results if r["depth"] is None}
+    if not svc or not base:
+        return
+    ncpu = os.cpu_count() or 1
+    cmax = max(by_c)
+    lines = []
+    r1, b1 = by_c.get(min(by_c)), base.get(min(by_c))
+    st = r1.get("server_stage_p50_ms", {})
+    if "total" in st and "dense" in st:
+        lines.append(
+            f"latency at c={r1['concurrency']} (dense_depth={args.depths[0] or 'default'}): p50 "
+            f"{r1['p50_ms']:.2f} ms = DenseIndex.search in the shard thread {st['dense']:.2f} ms (in-process alone: "
+            f"{b1['p50_ms']:.2f} ms) + SearchCore around it {st['total'] - st['dense']:.2f} ms "
+            f"(validation, executor hop, docstore fetch, assembly, metrics) + transport "
+            f"{r1['p50_ms'] - st['total']:.2f} ms (protobuf + gRPC in both Python processes, "
+            f"loopback TCP, event-loop scheduling).")
+    rc = by_c[cmax]
+    srv_us = rc["server_cpu_s"] / rc["requests"] * 1e6
+    cli_us = rc.get("client_cpu_s", 0.0) / rc["requests"] * 1e6
+    base_us = base[cmax]["server_cpu_s"] / base[cmax]["requests"] * 1e6
+    cap = ncpu * 1e6 / (srv_us + cli_us)
+    lines.append(
+        f"CPU at c={cmax}: server {srv_us:.0f} us + client {cli_us:.0f} us per request vs "
+        f"{base_us:.0f} us for the bare search; {ncpu} CPUs shared by both processes cap the "
+        f"service near {cap:.0f} QPS (measured {rc['qps']:.0f}; busy "
+        f"{rc['qps'] * (srv_us + cli_us) / 1e6:.2f} of {ncpu} cores). The remaining gap to full "
+        f"use is most likely GIL serialisation inside the server process.")
+    tc = rc.get("server_thread_cpu_s") or {}
+    if tc.get("event loop"):
+        loop_us = tc["event loop"] / rc["requests"] * 1e6
+        lines.append(
+            f"the grpc.aio event loop thread alone spends {loop_us:.0f} us CPU per request, all "
+            f"under the GIL: one thread, so ~{1e6 / loop_us:.0f} QPS is its ceiling on any "
+            f"number of cores, and the shard threads' Python (docstore fetch, candidates) "
+            f"competes with it for the same GIL.")
+    if tc.get("other", 0.0) / rc["requests"] * 1e6 > 0.3 * srv_us:
+        lines.append(
+            f"'other' threads (OpenMP workers spinning inside faiss calls) use "
+            f"{tc['other'] / rc['requests'] * 1e6:.0f} us per request: faiss's default OpenMP "
+            f"threading oversubscribes the cores under concurrent single-query load; compare "
+            f"--omp-threads 1.")
+    print("\nwhat limits this result:")
+    for line in lines:
+        print("  - " + line)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ def _common(s: argparse.ArgumentParser, port: int) -> None:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    s.add_argument("--faiss-threads", type=int, default=1,
+                   help="OpenMP threads per faiss search (default 1: requests already run in "
+                        "parallel, and per-call OpenMP made a 20k Flat search 3.3x slower here)")
     s.add_argument("--log-level", default="INFO")
     t = s.add_argument_group("TLS")
     t.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve TLS")
@@ -136,6 +139,9 @@ def main(argv=None) -> None:
 
     device = Device(args.device)
     logging.getLogger(__name__).info("device: %s", device.describe())
+    import faiss
+
+    faiss.omp_set_num_threads(max(1, args.faiss_threads))
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     tls = app.TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
