@@ -124,7 +124,7 @@ def _make_core(args, data_dir, device):
                           rerank_cap=args.rerank_cap, embed_max_batch=max_batch,
                           embed_max_wait_ms=args.batch_max_wait_ms,
                           rerank_max_batch=max_batch,
-                          rerank_max_wait_ms=args.batch_max_wait_ms,
+                          rerank_max_wait_ms=args.batch_max_wait_ms, faiss_threads=args.faiss_threads,
                           collections=getattr(args, "collection", None)
                           if args.command == "serve" else None)
     return SearchCore(config, embedder, reranker, device)
@@ -139,9 +139,6 @@ def main(argv=None) -> None:
 
     device = Device(args.device)
     logging.getLogger(__name__).info("device: %s", device.describe())
-    import faiss
-
-    faiss.omp_set_num_threads(max(1, args.faiss_threads))
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     tls = app.TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
@@ -160,7 +157,13 @@ def main(argv=None) -> None:
         desc = store.descriptor(args.collection, build)
         if not 0 <= args.shard < desc.shards:
             raise SystemExit(f"--shard must be within 0..{desc.shards - 1} for build {build}")
-        shard = LocalShard(desc, store.build_dir(args.collection, build), args.shard, device)
+        from concurrent.futures import ThreadPoolExecutor
+
+        from server.backends.device import faiss_threads_initializer
+
+        executor = ThreadPoolExecutor(8, thread_name_prefix="shard",
+                                      initializer=faiss_threads_initializer(args.faiss_threads))
+        shard = LocalShard(desc, store.build_dir(args.collection, build), args.shard, device, executor)
         spec = FaultSpec(args.inject_delay_prob, args.inject_delay_ms, args.inject_fail_prob,
                          args.inject_hang_prob, args.inject_seed)
         asyncio.run(app.serve_shard_forever(FaultyShard(shard, spec) if spec.active else shard,

@@ -199,3 +199,12 @@ def test_reflection_lists_the_public_services(channel):
              for s in r.list_services_response.service}
     assert {"searchserver.v1.SearchService", "searchserver.v1.AdminService",
             "grpc.health.v1.Health"} <= names
+
+
+def test_shard_threads_search_with_one_openmp_thread(server):
+    """Regression: omp_set_num_threads in the main thread did not reach the executor threads that
+    run faiss (libgomp counts per thread), so concurrent single-query searches oversubscribed the
+    cores with OpenMP workers (3.3x slower per search, bench/bench_service_overhead.py)."""
+    import faiss
+
+    assert server.core.executor.submit(faiss.omp_get_max_threads).result(10) == 1

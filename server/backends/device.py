@@ -81,6 +81,15 @@ class Device:
             return index, "cpu"
 
 
+def faiss_threads_initializer(n: int):
+    """For a ThreadPoolExecutor's `initializer`: libgomp's thread count is per calling thread, so
+    faiss.omp_set_num_threads in the main thread does not reach the worker threads that search."""
+    def init() -> None:
+        faiss.omp_set_num_threads(max(1, n))
+
+    return init
+
+
 _default: Device | None = None
 
 

@@ -57,6 +57,7 @@ class SearchConfig:
     text_top_n: Optional[int] = None  # remote shards ship text for this many hits per list
                                       # (None: the assembly/rerank window, max(4 top_k, rerank_depth))
     shard_threads: int = 8
+    faiss_threads: int = 1  # OpenMP threads per faiss search in the shard threads (see main.py)
     collections: Optional[Sequence[str]] = None  # None: every published collection
 
 
@@ -116,8 +117,10 @@ class SearchCore:
         self.reranker = reranker
         self.device = device
         self.collections: dict[str, LoadedCollection] = {}
-        self.executor = ThreadPoolExecutor(max_workers=config.shard_threads,
-                                           thread_name_prefix="shard")
+        from server.backends.device import faiss_threads_initializer
+
+        self.executor = ThreadPoolExecutor(max_workers=config.shard_threads, thread_name_prefix="shard",
+                                           initializer=faiss_threads_initializer(config.faiss_threads))
         self.embed_batcher = (MicroBatcher("embed", embedder.encode, config.embed_max_batch,
                                            config.embed_max_tokens, config.embed_max_wait_ms)
                               if embedder is not None else None)
