@@ -75,3 +75,54 @@ def wait_quiet(threshold: float = 0.3, max_wait: float = 60.0, window: float = 0
         other = m.other_cores
         if other is None or other < threshold or time.perf_counter() >= deadline:
             return other
+
+
+def _proc_stat() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far (Linux /proc/stat; zeros elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return 0.0, 0.0
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(v) - v[3] - v[4]) / hz, sum(v) / hz
+
+
+class ForeignLoad:
+    """CPU time other processes used while we ran: a noisy neighbour makes QPS meaningless."""
+
+    def __init__(self):
+        self.busy0, self.total0 = _proc_stat()
+        t = os.times()
+        self.own0 = t.user + t.system + t.children_user + t.children_system
+
+    def report(self) -> str:
+        busy, total = _proc_stat()
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system - self.own0
+        if total <= self.total0:
+            return "foreign CPU load: unknown (no /proc/stat)"
+        foreign = max(0.0, (busy - self.busy0) - own)
+        cap = total - self.total0
+        return (f"CPU used by OTHER processes during this run: {foreign:.1f} of {cap:.1f} "
+                f"core-seconds ({100 * foreign / cap:.0f}%); results are only clean when this is ~0%")
+
+
+def synthetic(n: int, n_queries: int, dim: int, clusters: int, latent: int, spread: float,
+              noise: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Clustered, low-intrinsic-dimension unit vectors: (base[n], queries[n_queries])."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((clusters, latent)).astype(np.float32)
+    proj = (rng.standard_normal((latent, dim)) / np.sqrt(latent)).astype(np.float32)
+
+    def draw(m: int) -> np.ndarray:
+        out = np.empty((m, dim), np.float32)
+        for s in range(0, m, 50_000):
+            e = min(m, s + 50_000)
+            z = centres[rng.integers(0, clusters, e - s)]
+            z = z + spread * rng.standard_normal((e - s, latent)).astype(np.float32)
+            x = z @ proj + noise * rng.standard_normal((e - s, dim)).astype(np.float32)
+            out[s:e] = x / np.linalg.norm(x, axis=1, keepdims=True)
+        return out
+
+    return draw(n), draw(n_queries)

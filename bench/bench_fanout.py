@@ -160,9 +160,9 @@ def main(argv=None) -> int:
               f"{r['p99']:>6.1f} {r['max']:>7.1f} {r['p50'] / base['p50']:>6.2f} "
               f"{r['p99'] / base['p99']:>6.2f} {r['shard_ms']:>8.2f}ms {r['calls']:>9.2f} "
               f"{r['miss']:>8.0f} {r['other']:>8.2f}")
-    print(f"\n'shard call' = mean router-side latency of one shard call (router /metrics); "
-          f"'othercpu' = cores used by everything but this client during the measured rounds "
-          f"(the router and shard servers included).")
+    print("\n'shard call' = mean router-side latency of one shard call (router /metrics); "
+          "'othercpu' = cores used by everything but this client during the measured rounds "
+          "(the router and shard servers included).")
     print(f"CPU contention: this machine has {os.cpu_count()} cores; with N shards there are N+1 "
           f"server processes plus this client (plus anything else running: loadavg "
           f"{os.getloadavg()[0]:.1f} now), so the growth with N mixes fan-out overhead with "

@@ -63,37 +63,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from _util import ForeignLoad  # noqa: E402
 
-
-def _proc_stat() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far (Linux /proc/stat; zeros elsewhere)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except OSError:
-        return 0.0, 0.0
-    hz = os.sysconf("SC_CLK_TCK")
-    return (sum(v) - v[3] - v[4]) / hz, sum(v) / hz
-
-
-class ForeignLoad:
-    """CPU time other processes used while we ran: a noisy neighbour makes QPS meaningless."""
-
-    def __init__(self):
-        self.busy0, self.total0 = _proc_stat()
-        t = os.times()
-        self.own0 = t.user + t.system + t.children_user + t.children_system
-
-    def report(self) -> str:
-        busy, total = _proc_stat()
-        t = os.times()
-        own = t.user + t.system + t.children_user + t.children_system - self.own0
-        if total <= self.total0:
-            return "foreign CPU load: unknown (no /proc/stat)"
-        foreign = max(0.0, (busy - self.busy0) - own)
-        cap = total - self.total0
-        return (f"CPU used by OTHER processes during this run: {foreign:.1f} of {cap:.1f} "
-                f"core-seconds ({100 * foreign / cap:.0f}%); results are only clean when this is ~0%")
 
 COLLECTION = "bench"
 MODEL_ID = "bench-hash-embedder-384"

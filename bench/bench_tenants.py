@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import faiss  # noqa: E402
 
-from _util import CpuMonitor, pct  # noqa: E402
+from _util import CpuMonitor, pct, synthetic  # noqa: E402
 
 K = 10
 FACTORIES = ["Flat", "HNSW32,Flat", "IVF256,PQ48x4fs,RFlat"]
@@ -69,26 +69,6 @@ SHARES = [("t50", 0.50), ("t5", 0.05), ("t05", 0.005), ("t001", 0.0001)]
 
 
 # --- data ------------------------------------------------------------------------------------
-def synthetic(n: int, n_queries: int, dim: int, clusters: int, latent: int, spread: float,
-              noise: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Clustered, low-intrinsic-dimension unit vectors: (base[n], queries[n_queries])."""
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((clusters, latent)).astype(np.float32)
-    proj = (rng.standard_normal((latent, dim)) / np.sqrt(latent)).astype(np.float32)
-
-    def draw(m: int) -> np.ndarray:
-        out = np.empty((m, dim), np.float32)
-        for s in range(0, m, 50_000):
-            e = min(m, s + 50_000)
-            z = centres[rng.integers(0, clusters, e - s)]
-            z = z + spread * rng.standard_normal((e - s, latent)).astype(np.float32)
-            x = z @ proj + noise * rng.standard_normal((e - s, dim)).astype(np.float32)
-            out[s:e] = x / np.linalg.norm(x, axis=1, keepdims=True)
-        return out
-
-    return draw(n), draw(n_queries)
-
-
 def assign_tenants(n: int, seed: int) -> tuple[np.ndarray, dict[str, int]]:
     """tenant name per row (random rows), exact counts per share; the remainder is 'rest'."""
     counts = {name: max(1, int(round(n * share))) for name, share in SHARES}

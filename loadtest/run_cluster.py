@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     for row in res["failure_rows"][:5]:
         print(f"  failure x{row.get('Occurrences')}: {row.get('Error', '')[:200]}")
 
-    print(f"\nrouter /metrics over the Locust run")
+    print("\nrouter /metrics over the Locust run")
     codes = ", ".join(f"{k} {v:.0f}" for k, v in sorted(d["search_codes"].items()) if v)
     print(f"  Search RPCs {d['search_requests']:.0f} ({codes}); shard requests "
           f"{shard_requests:.0f} (= RPCs x {args.shards} shard(s))")
