@@ -51,7 +51,6 @@ Run
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import os
@@ -191,59 +190,15 @@ def choose_model(kind: str, workdir: Path, chunk_texts: list[str], budget_s: flo
 
 
 # --- server ----------------------------------------------------------------------------------
-class ServerThread:
-    """A real grpc.aio server (server.transport.app.start_server) on 127.0.0.1 running its own
-    event loop in a thread, over an in-process SearchCore (as tests/conftest.py)."""
+def serve(data_dir: Path, embedder, **config):
+    """The real gRPC server over an in-process SearchCore, on its own loop in a thread."""
+    from server.backends.device import Device
+    from server.core.search import SearchConfig, SearchCore
+    from server.transport.embedded import ServerThread
 
-    def __init__(self, data_dir: Path, embedder, **config):
-        from server.backends.device import Device
-        from server.core.search import SearchConfig, SearchCore
-
-        self.core = SearchCore(SearchConfig(data_dir=data_dir, **config), embedder, None, Device("cpu"))
-        self.core.load()
-        self.loop = asyncio.new_event_loop()
-        self.started = threading.Event()
-        self.error = None
-        self.thread = threading.Thread(target=self._run, daemon=True, name="grpc-server")
-
-    def _run(self):
-        from server.transport.app import start_server
-        from server.transport.auth import AnonymousAuth
-
-        asyncio.set_event_loop(self.loop)
-
-        async def boot():
-            await self.core.start()
-            self.running = await start_server(self.core, AnonymousAuth("default"), "127.0.0.1", 0)
-
-        try:
-            self.loop.run_until_complete(boot())
-        except BaseException as exc:
-            self.error = exc
-            self.started.set()
-            return
-        self.started.set()
-        self.loop.run_forever()
-
-    def start(self) -> "ServerThread":
-        self.thread.start()
-        self.started.wait(120)
-        if self.error:
-            raise self.error
-        return self
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.running.port}"
-
-    def stop(self) -> None:
-        """Stop serving, close the core (server.transport.app.RunningServer.stop), then end the
-        loop's default executor (compaction and switches run there) and the loop itself."""
-        asyncio.run_coroutine_threadsafe(self.running.stop(1.0), self.loop).result(60)
-        asyncio.run_coroutine_threadsafe(self.loop.shutdown_default_executor(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(60)
-        self.loop.close()
+    core = SearchCore(SearchConfig(data_dir=data_dir, **config), embedder, None, Device("cpu"))
+    core.load()
+    return ServerThread(core).start()
 
 
 def build_base(docs, embedder, data_dir: Path, shards: int, factory: str) -> dict:
@@ -506,7 +461,7 @@ def phase_compaction(pristine: Path, workdir: Path, embedder, docs, qvecs: np.nd
     shutil.rmtree(data, ignore_errors=True)
     shutil.copytree(pristine, data)
     store = CollectionStore(data)
-    srv = ServerThread(data, embedder, retrieval_cache_size=0).start()
+    srv = serve(data, embedder, retrieval_cache_size=0)
     try:
         model_id = srv.core.collections[COLL].desc.model_id
         with grpc.insecure_channel(srv.address) as ch:
@@ -623,7 +578,7 @@ def main(argv=None) -> int:
 
         if "a" not in args.skip:
             cache_cfg = {} if args.caches else {"retrieval_cache_size": 0, "embedding_cache_size": 0}
-            srv = ServerThread(live, embedder, **cache_cfg).start()
+            srv = serve(live, embedder, **cache_cfg)
             try:
                 a = phase_ingest(srv.address, docs, queries, args.writers, args.readers,
                                  args.baseline_s, args.ingest_s, args.max_upserts, say)
@@ -647,7 +602,7 @@ def main(argv=None) -> int:
             say(f"  query errors: {a['q_errors']}; during ingest: {a['cpu']}")
 
         if "b" not in args.skip:
-            srv = ServerThread(live, embedder).start()  # the server's default config (caches on)
+            srv = serve(live, embedder)  # the server's default config (caches on)
             try:
                 b = phase_freshness(srv.address, docs, args.fresh_samples, args.fresh_writers, say)
             finally:

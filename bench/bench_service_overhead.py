@@ -45,7 +45,6 @@ today; N > 0 sets it in the baseline threads and in the server's shard executor 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import hashlib
 import json
@@ -234,47 +233,7 @@ def build(data_dir: Path, n_docs: int, dim: int, seed: int) -> dict:
             "audit_recall": audit["recall"]}
 
 
-class ServerThread:
-    """grpc.aio server (server.transport.app.start_server) on its own event loop in a thread."""
-
-    def __init__(self, core):
-        self.core = core
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.error = None
-        self.thread = threading.Thread(target=self._run, daemon=True, name="grpc-server")
-
-    def _run(self):
-        from server.transport.app import start_server
-        from server.transport.auth import AnonymousAuth
-
-        asyncio.set_event_loop(self.loop)
-        ServerThread.native_id = threading.get_native_id()
-        try:
-            self.running = self.loop.run_until_complete(
-                start_server(self.core, AnonymousAuth("default"), "127.0.0.1", 0))
-        except BaseException as exc:
-            self.error = exc
-            self.ready.set()
-            return
-        self.ready.set()
-        self.loop.run_forever()
-
-    def start(self) -> "ServerThread":
-        self.thread.start()
-        self.ready.wait(60)
-        if self.error:
-            raise self.error
-        return self
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.running.port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.running.stop(1.0), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
+LOOP_THREAD_ID = None  # the server's event loop thread (per-thread CPU accounting)
 
 
 def cpu_now() -> float:
@@ -288,7 +247,7 @@ def thread_cpu() -> dict[str, float]:
     everything else (main thread, OpenMP workers, ...)."""
     out: dict[str, float] = {}
     hz = os.sysconf("SC_CLK_TCK")
-    loop_tid = getattr(ServerThread, "native_id", None)
+    loop_tid = LOOP_THREAD_ID
     py = {t.native_id: t.name for t in threading.enumerate()}  # Python names its threads only here
     try:
         tids = os.listdir("/proc/self/task")
@@ -406,7 +365,11 @@ def main(argv=None) -> int:
         expected = dense.chunk_ids(rows)[0].tolist()
 
         # --- the service, driven from a separate client process ---------------------------------
+        from server.transport.embedded import ServerThread
+
         srv = ServerThread(core).start()
+        global LOOP_THREAD_ID
+        LOOP_THREAD_ID = srv.native_id
         qfile = data_dir / "bench-queries.npy"
         np.save(qfile, queries)
         cfg = {"address": srv.address, "queries": str(qfile), "channels": args.channels,

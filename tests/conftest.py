@@ -2,7 +2,6 @@
 and a real gRPC server on a loopback socket."""
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import threading
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from server.transport.embedded import ServerThread  # noqa: F401  (re-exported to the tests)
 
 REPO = Path(__file__).resolve().parent.parent
 CRANFIELD = REPO.parent / "shared" / "datasets" / "cranfield"
@@ -87,57 +88,6 @@ def small_collection(tmp_path_factory, tiny_embedder, cranfield_docs):
     """300 Cranfield documents, 2 shards, Flat, built with the tiny embedder and published."""
     data = tmp_path_factory.mktemp("data")
     return data, publish_build(data, "cran", cranfield_docs[:300], tiny_embedder, shards=2)
-
-
-class ServerThread:
-    """A real grpc.aio server on 127.0.0.1 running its own event loop in a thread."""
-
-    def __init__(self, core, auth, setup=None):
-        self.core, self.auth, self.setup = core, auth, setup
-        self.loop = asyncio.new_event_loop()
-        self.started = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.port = None
-        self.error = None
-        self.tls = None
-
-    def _run(self):
-        from server.transport.app import start_server
-
-        asyncio.set_event_loop(self.loop)
-
-        async def boot():
-            if self.setup is not None:
-                await self.setup()
-            await self.core.start()
-            self.running = await start_server(self.core, self.auth, "127.0.0.1", 0, self.tls)
-            self.port = self.running.port
-
-        try:
-            self.loop.run_until_complete(boot())
-        except BaseException as exc:  # surfaced to the test by start()
-            self.error = exc
-            self.started.set()
-            return
-        self.started.set()
-        self.loop.run_forever()
-
-    def start(self):
-        self.thread.start()
-        self.started.wait(60)
-        if self.error:
-            raise self.error
-        return self
-
-    @property
-    def address(self):
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self):
-        fut = asyncio.run_coroutine_threadsafe(self.running.stop(1.0), self.loop)
-        fut.result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
 
 
 def start_core_server(data_dir, embedder=None, reranker=None, **config):

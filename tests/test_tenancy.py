@@ -69,10 +69,7 @@ def make_server(data, embedder, tls=None):
 
     core = SearchCore(SearchConfig(data_dir=data), embedder, None, Device("cpu"))
     core.load()
-    srv = ServerThread(core, TokenFileAuth(data / "tokens.json"))
-    if tls is not None:
-        srv.tls = tls
-    return srv.start()
+    return ServerThread(core, TokenFileAuth(data / "tokens.json"), tls=tls).start()
 
 
 @pytest.fixture(scope="module")
