@@ -114,6 +114,12 @@ def _no_leftover_processes():
             proc.wait(10)
 
 
+def live_row(shard, chunk_id):
+    """The shard row holding the live version of a chunk."""
+    return shard.store._conn().execute(
+        "SELECT row FROM chunks WHERE chunk_id=? AND live=1", (chunk_id,)).fetchone()[0]
+
+
 class ShardProcess:
     """A real shard server process (`search-server shard`) on an ephemeral loopback port."""
 

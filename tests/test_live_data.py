@@ -14,7 +14,7 @@ import pytest
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import _CHILDREN, REPO, publish_build, start_core_server
+from conftest import _CHILDREN, REPO, live_row, publish_build, start_core_server
 
 APPLIED, NOOP = pb.WriteResponse.APPLIED, pb.WriteResponse.NOOP_STALE_VERSION
 
@@ -287,7 +287,7 @@ def test_a_row_fetched_after_its_document_was_replaced_is_dropped_not_mixed(live
     upsert(stub, "mix-1", 1, "zyxtheta first version")
     coll = srv.core.collections["live"]
     shard = coll.shards[shard_of("mix-1", coll.desc.shards)]
-    row = shard.store.fetch_chunk_ids([chunk_id("mix-1", 0)])[0].row
+    row = live_row(shard, chunk_id("mix-1", 0))
     assert len(shard.fetch_chunks_sync(coll.desc.build_id, "default", (), [row])) == 1
     upsert(stub, "mix-1", 2, "zyxtheta second version")
     assert shard.fetch_chunks_sync(coll.desc.build_id, "default", (), [row]) == []

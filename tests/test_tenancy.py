@@ -12,7 +12,7 @@ import pytest
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import REPO, ServerThread
+from conftest import REPO, ServerThread, live_row
 
 SENTINELS = ["zqxcanaryalpha", "CANARY-7F3A-SECRET", "vexillumcanarium"]
 TOKENS = {"big": "tok-big", "small": "tok-small", "acme": "tok-acme", "acme-hr": "tok-acme-hr",
@@ -235,8 +235,8 @@ def test_fetching_chunks_by_id_is_restricted_to_the_callers_tenant_and_scopes(mt
     coll = mt_server.core.collections["mt"]
     shard_big, shard_hr = coll.shards[big.shard], coll.shards[hr.shard]
     build = coll.desc.build_id
-    big_row = shard_big.store.fetch_chunk_ids([big.chunk_id])[0].row
-    hr_row = shard_hr.store.fetch_chunk_ids([hr.chunk_id])[0].row
+    big_row = live_row(shard_big, big.chunk_id)
+    hr_row = live_row(shard_hr, hr.chunk_id)
     assert [c.chunk_id for c in shard_big.fetch_chunks_sync(build, "big", (), [big_row])] == [big.chunk_id]
     assert shard_big.fetch_chunks_sync(build, "small", (), [big_row]) == []
     assert shard_hr.fetch_chunks_sync(build, "acme", (), [hr_row]) == []

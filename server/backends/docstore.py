@@ -321,17 +321,6 @@ class DocStore:
         return np.fromiter((r[0] for r in self._conn().execute("SELECT row FROM chunks WHERE live=1")),
                            dtype=np.int64)
 
-    def fetch_chunk_ids(self, chunk_ids: Sequence[int]) -> list[ChunkRecord]:
-        """Live records by chunk id (unique among live rows)."""
-        if not chunk_ids:
-            return []
-        q = ("SELECT row, chunk_id, doc_id, chunk_index, start_offset, end_offset, title, text, "
-             f"tenant, metadata, acl FROM chunks WHERE live=1 AND chunk_id IN "
-             f"({','.join('?' * len(chunk_ids))})")
-        return [ChunkRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], json.loads(r[9]),
-                            tuple(json.loads(r[10])))
-                for r in self._conn().execute(q, [int(c) for c in chunk_ids])]
-
     def fetch(self, rows: Sequence[int]) -> dict[int, ChunkRecord]:
         """Records of the given rows that are live now (the final visibility check)."""
         if not rows:

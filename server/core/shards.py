@@ -35,6 +35,9 @@ class Shard(Protocol):
 
     async def search(self, query: ShardQuery, timeout: Optional[float]) -> ShardResult: ...
 
+    async def fetch_chunks(self, build_id: str, tenant: str, acl_scopes: Sequence[str],
+                           rows: Sequence[int], timeout: Optional[float] = None) -> list[Candidate]: ...
+
 
 def shard_dir_name(shard_no: int) -> str:
     return f"shard-{shard_no:03d}"
