@@ -273,3 +273,16 @@ def test_hits_shipped_without_text_are_fetched_and_answers_do_not_change(three_s
         router.stop()
         for p in procs:
             p.stop()
+
+
+def test_a_router_refuses_writes_and_compaction_with_a_clear_status(cluster):
+    router, _ = cluster
+    ch = grpc.insecure_channel(router.address)
+    with pytest.raises(grpc.RpcError) as err:
+        pb_grpc.SearchServiceStub(ch).UpsertDocument(pb.UpsertDocumentRequest(
+            collection="cran3", doc_id="d", version=9, text="x"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "remote" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        pb_grpc.AdminServiceStub(ch).Compact(pb.CompactRequest(collection="cran3"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "local" in err.value.details()
+    ch.close()

@@ -241,3 +241,7 @@ def test_fetching_chunks_by_id_is_restricted_to_the_callers_tenant_and_scopes(mt
     assert shard_big.fetch_chunks_sync(build, "small", (), [big_row]) == []
     assert shard_hr.fetch_chunks_sync(build, "acme", (), [hr_row]) == []
     assert len(shard_hr.fetch_chunks_sync(build, "acme", ("hr",), [hr_row])) == 1
+    from server.errors import FailedPrecondition
+
+    with pytest.raises(FailedPrecondition, match="serves build"):
+        shard_big.fetch_chunks_sync("another-build", "big", (), [big_row])
