@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -55,19 +53,9 @@ def build_collection(docs: Iterable[Document], store: CollectionStore, collectio
         raise ValueError("shards must be >= 1")
     build_id = check_name(build_id or time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3),
                           "build")
-    final_dir = store.build_dir(collection, build_id)
-    if final_dir.exists():
-        raise FileExistsError(f"build {final_dir} already exists")
-    tmp_dir = final_dir.parent / f".tmp-{build_id}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir(parents=True)
-    try:
-        return _build(docs, store, collection, embedder, factory, shards, metric,
-                      search_defaults or {}, build_id, tmp_dir, final_dir, quiet, seed,
-                      dedicated_tenant_min_chunks)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
+    with store.staging(collection, build_id) as tmp_dir:
+        return _build(docs, collection, embedder, factory, shards, metric, search_defaults or {},
+                      build_id, tmp_dir, quiet, seed, dedicated_tenant_min_chunks)
 
 
 def _check_doc(doc: Document) -> None:
@@ -78,25 +66,25 @@ def _check_doc(doc: Document) -> None:
             raise ValueError(f"document {doc.doc_id!r}: ACL scope {scope[:80]!r} must match {NAME.pattern}")
 
 
-def _build(docs, store, collection, embedder, factory, shards, metric, search_defaults, build_id,
-           tmp_dir, final_dir, quiet, seed, dedicated_min) -> ReleaseDescriptor:
+def _build(docs, collection, embedder, factory, shards, metric, search_defaults, build_id,
+           tmp_dir, quiet, seed, dedicated_min) -> ReleaseDescriptor:
     # 1. chunk (and fingerprint the corpus: corpus_version is a content hash)
     corpus_hash = hashlib.sha256(CHUNKER_VERSION.encode())
     chunks: list[PendingChunk] = []
-    seen_docs: set[str] = set()
+    seen_docs: set[tuple[str, str]] = set()
     documents: list[Document] = []
     for doc in docs:
-        if doc.doc_id in seen_docs:
-            raise ValueError(f"duplicate document id {doc.doc_id!r} in the corpus")
-        seen_docs.add(doc.doc_id)
+        if (doc.tenant, doc.doc_id) in seen_docs:
+            raise ValueError(f"duplicate document id {doc.doc_id!r} of tenant {doc.tenant!r} in the corpus")
+        seen_docs.add((doc.tenant, doc.doc_id))
         _check_doc(doc)
         documents.append(doc)
         corpus_hash.update(json.dumps([doc.doc_id, doc.title, doc.text, doc.tenant, sorted(doc.acl),
                                        sorted(doc.metadata.items())]).encode())
-        s = shard_of(doc.doc_id, shards)
+        s = shard_of(doc.tenant, doc.doc_id, shards)
         for c in chunk_text(doc.text):
             chunks.append(PendingChunk(doc, c.index, c.start, c.end, c.text,
-                                       chunk_id(doc.doc_id, c.index), s))
+                                       chunk_id(doc.tenant, doc.doc_id, c.index), s))
     if not chunks:
         raise ValueError("the corpus has no text to index")
     corpus_version = corpus_hash.hexdigest()[:16]
@@ -120,7 +108,7 @@ def _build(docs, store, collection, embedder, factory, shards, metric, search_de
                    for row, i in enumerate(members)]
         shard_docs = {}
         for i in members:
-            shard_docs[chunks[i].doc.doc_id] = (chunks[i].doc.version, chunks[i].doc.tenant, 1)
+            shard_docs[(chunks[i].doc.tenant, chunks[i].doc.doc_id)] = (chunks[i].doc.version, 1)
         out = write_shard(tmp_dir / name, records, vectors[members], shard_docs, factory, metric,
                           rng, dedicated_min, corpus_version, build_id, quiet, label=str(s))
         shard_files[name], shard_counts[name] = out.files, out.counts
@@ -137,7 +125,6 @@ def _build(docs, store, collection, embedder, factory, shards, metric, search_de
         created_at=time.time(), shard_files=shard_files, shard_counts=shard_counts,
         tenants=tenants, search_defaults=search_defaults, dedicated_tenants=dedicated)
     (tmp_dir / "release.json").write_text(desc.to_json())
-    os.rename(tmp_dir, final_dir)
     return desc
 
 

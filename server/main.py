@@ -24,6 +24,9 @@ def _common(s: argparse.ArgumentParser, port: int) -> None:
                    help="OpenMP threads per faiss search (default 1: requests already run in "
                         "parallel, and per-call OpenMP made a 20k Flat search 3.3x slower here)")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                   help="on SIGTERM: seconds in-flight calls get to finish (new calls and calls "
+                        "still running after it are answered UNAVAILABLE, which clients retry)")
     t = s.add_argument_group("TLS")
     t.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve TLS")
     t.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
@@ -167,7 +170,8 @@ def main(argv=None) -> None:
         spec = FaultSpec(args.inject_delay_prob, args.inject_delay_ms, args.inject_fail_prob,
                          args.inject_hang_prob, args.inject_seed)
         asyncio.run(app.serve_shard_forever(FaultyShard(shard, spec) if spec.active else shard,
-                                            args.host, args.port, args.metrics_port, tls))
+                                            args.host, args.port, args.metrics_port, tls,
+                                            args.shutdown_grace_s))
         return
     if args.command == "router":
         from server.core.replicas import HedgePolicy
@@ -198,7 +202,7 @@ def main(argv=None) -> None:
             await connect_router(core, collection, replicas, policy, credentials=credentials)
 
         asyncio.run(app.serve_forever(core, auth, args.host, args.port, args.metrics_port,
-                                      setup=setup, tls=tls))
+                                      setup=setup, tls=tls, grace=args.shutdown_grace_s))
         return
     core = _make_core(args, args.data_dir, device)
     core.load()
@@ -209,7 +213,7 @@ def main(argv=None) -> None:
         background.append(core.compact_on_schedule(args.compact_interval_s,
                                                    args.compact_min_tombstone_ratio))
     asyncio.run(app.serve_forever(core, auth, args.host, args.port, args.metrics_port, tls=tls,
-                                  background=tuple(background)))
+                                  background=tuple(background), grace=args.shutdown_grace_s))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ def test_empty_text_has_no_chunks():
 
 
 def test_chunk_ids_are_deterministic_63_bit_and_distinct():
-    ids = {chunk_id(f"doc{i}", j) for i in range(200) for j in range(5)}
-    assert len(ids) == 1000
-    assert chunk_id("doc1", 0) == chunk_id("doc1", 0)
+    ids = {chunk_id(t, f"doc{i}", j) for t in ("a", "b") for i in range(200) for j in range(5)}
+    assert len(ids) == 2000  # the same doc id in two tenants: two sets of chunk ids
+    assert chunk_id("a", "doc1", 0) == chunk_id("a", "doc1", 0)
     assert all(0 <= x < 2 ** 63 for x in ids)
 
 
 def test_sharding_is_stable_and_uses_every_shard():
-    shards = [shard_of(f"doc{i}", 4) for i in range(400)]
-    assert shards == [shard_of(f"doc{i}", 4) for i in range(400)]
+    shards = [shard_of("t", f"doc{i}", 4) for i in range(400)]
+    assert shards == [shard_of("t", f"doc{i}", 4) for i in range(400)]
     assert set(shards) == {0, 1, 2, 3}

@@ -16,7 +16,8 @@ from conftest import REPO, ServerThread, live_row
 
 SENTINELS = ["zqxcanaryalpha", "CANARY-7F3A-SECRET", "vexillumcanarium"]
 TOKENS = {"big": "tok-big", "small": "tok-small", "acme": "tok-acme", "acme-hr": "tok-acme-hr",
-          "canary": "tok-canary", "admin": "tok-admin"}
+          "canary": "tok-canary", "admin": "tok-admin", "small-writer": "tok-small-w",
+          "acme-writer": "tok-acme-w", "acme-admin": "tok-acme-admin", "operator": "tok-operator"}
 
 
 def corpus(cranfield_docs):
@@ -57,6 +58,10 @@ def tenant_build(tmp_path_factory, tiny_embedder, cranfield_docs):
         {"token": TOKENS["canary"], "tenant": "canary"},
         {"sha256": __import__("hashlib").sha256(TOKENS["admin"].encode()).hexdigest(),
          "tenant": "big", "roles": ["admin", "write"]},
+        {"token": TOKENS["small-writer"], "tenant": "small", "roles": ["write"]},
+        {"token": TOKENS["acme-writer"], "tenant": "acme", "roles": ["write"]},
+        {"token": TOKENS["acme-admin"], "tenant": "acme", "roles": ["admin"]},
+        {"token": TOKENS["operator"], "tenant": "big", "roles": ["operator"]},
     ]}
     (data / "tokens.json").write_text(json.dumps(tokens))
     return data, desc
@@ -245,3 +250,58 @@ def test_fetching_chunks_by_id_is_restricted_to_the_callers_tenant_and_scopes(mt
 
     with pytest.raises(FailedPrecondition, match="serves build"):
         shard_big.fetch_chunks_sync("another-build", "big", (), [big_row])
+
+
+# --- these write to the shared collection: keep them last in the module --------------------------
+
+def write(stub, who, op, doc_id, version, text=""):
+    if op == "delete":
+        return stub.DeleteDocument(pb.DeleteDocumentRequest(collection="mt", doc_id=doc_id,
+                                                            version=version), metadata=as_(who), timeout=30)
+    return stub.UpsertDocument(pb.UpsertDocumentRequest(collection="mt", doc_id=doc_id, version=version,
+                                                        text=text), metadata=as_(who), timeout=30)
+
+
+def test_document_ids_are_per_tenant_so_they_neither_leak_nor_block(stub):
+    """Regression (issue 11.4): ids were one namespace across tenants. Deleting another tenant's id
+    answered PERMISSION_DENIED where an unused id answered OK (an oracle for other tenants' ids),
+    and that OK left a tombstone that blocked the other tenant from ever writing the id."""
+    applied = pb.WriteResponse.APPLIED
+    taken = write(stub, "small-writer", "delete", "acme-3", 1)       # acme has a document acme-3
+    unused = write(stub, "small-writer", "delete", "zz-never-used", 1)
+    assert taken.outcome == unused.outcome == applied                  # the same answer: no oracle
+    assert write(stub, "acme-writer", "upsert", "zz-never-used", 1, "zyxacmeown text").outcome == applied
+    assert write(stub, "acme-writer", "upsert", "acme-3", 2, "zyxacmethree text").outcome == applied
+    assert write(stub, "small-writer", "upsert", "acme-3", 5, "zyxsmallthree text").outcome == applied
+    ids = lambda who, text: [h.doc_id for h in search(stub, who, text=text, mode=pb.LEXICAL).hits]
+    assert ids("acme", "zyxacmethree") == ["acme-3"] and ids("acme", "zyxacmeown") == ["zz-never-used"]
+    assert ids("small", "zyxsmallthree") == ["acme-3"]                 # small's own acme-3
+    assert ids("small", "zyxacmethree") == [] and ids("acme", "zyxsmallthree") == []
+
+
+def test_admin_sees_its_own_tenant_and_only_operators_act_on_the_collection(mt_server):
+    """Regression (issue 11.5): one tenant's admin token saw every tenant's name and could compact
+    a collection all tenants share."""
+    admin = pb_grpc.AdminServiceStub(grpc.insecure_channel(mt_server.address))
+    others = ('"big"', '"small"', '"canary"')
+    own = admin.DescribeCollection(pb.DescribeCollectionRequest(collection="mt"),
+                                   metadata=as_("acme-admin"), timeout=10)
+    listed = admin.ListCollections(pb.ListCollectionsRequest(), metadata=as_("acme-admin"),
+                                   timeout=10).collections[0]
+    for d in (own, listed):
+        assert not any(t in d.descriptor_json for t in others), d.descriptor_json
+        assert list(json.loads(d.descriptor_json)["tenants"]) == ["acme"]
+    acme_chunks = sum(s.store.counts("acme")["chunks"] for s in mt_server.core.collections["mt"].shards)
+    assert own.chunks == acme_chunks > 0
+    stats = admin.CollectionStats(pb.CollectionStatsRequest(collection="mt"), metadata=as_("acme-admin"),
+                                  timeout=10)
+    assert stats.chunks == acme_chunks
+    with pytest.raises(grpc.RpcError) as err:
+        admin.Compact(pb.CompactRequest(collection="mt"), metadata=as_("acme-admin"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    full = admin.DescribeCollection(pb.DescribeCollectionRequest(collection="mt"),
+                                    metadata=as_("operator"), timeout=10)
+    assert set(json.loads(full.descriptor_json)["tenants"]) == {"big", "small", "acme", "canary"}
+    total = admin.CollectionStats(pb.CollectionStatsRequest(collection="mt"), metadata=as_("operator"),
+                                  timeout=10)
+    assert total.chunks > acme_chunks

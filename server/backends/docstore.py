@@ -17,12 +17,12 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from server.errors import IndexCorruptError, InvalidArgument
+from server.errors import FailedPrecondition, IndexCorruptError, InvalidArgument
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS chunks (
     row          INTEGER PRIMARY KEY,      -- the dense index row (faiss sequential id)
-    chunk_id     INTEGER NOT NULL,         -- deterministic hash of (doc_id, chunk_index)
+    chunk_id     INTEGER NOT NULL,         -- deterministic hash of (tenant, doc_id, chunk_index)
     version      INTEGER NOT NULL DEFAULT 1,
     doc_id       TEXT    NOT NULL,
     chunk_index  INTEGER NOT NULL,
@@ -37,21 +37,24 @@ CREATE TABLE IF NOT EXISTS chunks (
     purged       INTEGER NOT NULL DEFAULT 0,  -- 1 once a dead/orphan row left the lexical index
     vector       BLOB                         -- float32 vector of rows added after the build
 );
-CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, live);
+CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(tenant, doc_id, live);
 CREATE INDEX IF NOT EXISTS chunks_tenant ON chunks(tenant, live);
 CREATE UNIQUE INDEX IF NOT EXISTS chunks_live_id ON chunks(chunk_id) WHERE live = 1;
+-- documents are keyed by (tenant, doc_id): tenants can neither see nor block each other's ids
 CREATE TABLE IF NOT EXISTS documents (
-    doc_id  TEXT PRIMARY KEY,
-    version INTEGER NOT NULL,
     tenant  TEXT NOT NULL,
+    doc_id  TEXT NOT NULL,
+    version INTEGER NOT NULL,
     live    INTEGER NOT NULL DEFAULT 1,   -- 0: deleted at `version` (a tombstone: older writes are no-ops)
     source_modified_at REAL,
-    ingested_at REAL
+    ingested_at REAL,
+    PRIMARY KEY (tenant, doc_id)
 );
 -- every applied write, in order: replayed into a new build before its alias flip
 CREATE TABLE IF NOT EXISTS writes (
     seq     INTEGER PRIMARY KEY AUTOINCREMENT,
     op      TEXT NOT NULL,                -- upsert | delete
+    tenant  TEXT NOT NULL,
     doc_id  TEXT NOT NULL,
     version INTEGER NOT NULL,
     body    TEXT NOT NULL                 -- JSON: tenant, title, text, metadata, acl, times
@@ -60,6 +63,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 PENDING, LIVE, DEAD, ORPHAN = 0, 1, 2, 3
+SCHEMA_VERSION = "2"  # 2: documents keyed by (tenant, doc_id)
 
 FILTER_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 PUBLIC_ACL = "@all"
@@ -95,11 +99,18 @@ class DocStore:
         conn = self._conn()
         if create:
             conn.executescript(SCHEMA)
+            self.set_meta("schema_version", SCHEMA_VERSION)
         else:
             try:
                 conn.execute("SELECT count(*) FROM chunks").fetchone()
+                version = self.get_meta("schema_version")
             except sqlite3.DatabaseError as exc:
                 raise IndexCorruptError(f"document store {path} is unreadable: {exc}") from exc
+            if version != SCHEMA_VERSION:
+                raise FailedPrecondition(
+                    f"document store {path} has schema {version or '1'}; this release reads "
+                    f"schema {SCHEMA_VERSION} (documents keyed by tenant and id): rebuild the "
+                    "collection with index-builder build")
 
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
@@ -128,10 +139,10 @@ class DocStore:
             raise
 
     # --- streaming writes (server/core/shards.py LocalShard.apply_write) ----------------------
-    def document(self, doc_id: str) -> Optional[tuple[int, str, int]]:
-        """(version, tenant, live) of a document, tombstones included; None if never seen."""
-        return self._conn().execute("SELECT version, tenant, live FROM documents WHERE doc_id=?",
-                                    (doc_id,)).fetchone()
+    def document(self, tenant: str, doc_id: str) -> Optional[tuple[int, int]]:
+        """(version, live) of a tenant's document, tombstones included; None if never seen."""
+        return self._conn().execute("SELECT version, live FROM documents WHERE tenant=? AND doc_id=?",
+                                    (tenant, doc_id)).fetchone()
 
     def next_row(self) -> int:
         return (self._conn().execute("SELECT max(row) FROM chunks").fetchone()[0] or -1) + 1
@@ -156,7 +167,7 @@ class DocStore:
             conn.execute("ROLLBACK")
             raise
 
-    def flip(self, op: str, doc_id: str, version: int, tenant: str, new_rows: Sequence[int],
+    def flip(self, op: str, tenant: str, doc_id: str, version: int, new_rows: Sequence[int],
              body: dict) -> Optional[list[int]]:
         """THE visibility change, one transaction: the document's live rows die, `new_rows` go
         live, the document's version moves, the write is logged and index_version moves.
@@ -164,25 +175,27 @@ class DocStore:
         conn = self._conn()
         conn.execute("BEGIN IMMEDIATE")
         try:
-            cur = conn.execute("SELECT version FROM documents WHERE doc_id=?", (doc_id,)).fetchone()
+            cur = conn.execute("SELECT version FROM documents WHERE tenant=? AND doc_id=?",
+                               (tenant, doc_id)).fetchone()
             if cur is not None and cur[0] >= version:
                 conn.execute("ROLLBACK")
                 return None
-            dead = [r[0] for r in conn.execute("SELECT row FROM chunks WHERE doc_id=? AND live=1",
-                                               (doc_id,))]
-            conn.execute(f"UPDATE chunks SET live={DEAD} WHERE doc_id=? AND live=1", (doc_id,))
+            dead = [r[0] for r in conn.execute(
+                "SELECT row FROM chunks WHERE tenant=? AND doc_id=? AND live=1", (tenant, doc_id))]
+            conn.execute(f"UPDATE chunks SET live={DEAD} WHERE tenant=? AND doc_id=? AND live=1",
+                         (tenant, doc_id))
             if new_rows:
                 conn.execute(f"UPDATE chunks SET live={LIVE} WHERE row IN "
                              f"({','.join('?' * len(new_rows))})", list(new_rows))
-            conn.execute("INSERT INTO documents(doc_id, version, tenant, live, source_modified_at, "
-                         "ingested_at) VALUES (?,?,?,?,?,?) ON CONFLICT(doc_id) DO UPDATE SET "
-                         "version=excluded.version, tenant=excluded.tenant, live=excluded.live, "
+            conn.execute("INSERT INTO documents(tenant, doc_id, version, live, source_modified_at, "
+                         "ingested_at) VALUES (?,?,?,?,?,?) ON CONFLICT(tenant, doc_id) DO UPDATE SET "
+                         "version=excluded.version, live=excluded.live, "
                          "source_modified_at=excluded.source_modified_at, "
                          "ingested_at=excluded.ingested_at",
-                         (doc_id, version, tenant, 1 if op == "upsert" else 0,
+                         (tenant, doc_id, version, 1 if op == "upsert" else 0,
                           body.get("source_modified_at"), body.get("ingested_at")))
-            conn.execute("INSERT INTO writes(op, doc_id, version, body) VALUES (?,?,?,?)",
-                         (op, doc_id, version, json.dumps(body)))
+            conn.execute("INSERT INTO writes(op, tenant, doc_id, version, body) VALUES (?,?,?,?,?)",
+                         (op, tenant, doc_id, version, json.dumps(body)))
             conn.execute("INSERT INTO meta(key, value) VALUES ('index_version', '1') "
                          "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
             conn.execute("COMMIT")
@@ -221,9 +234,11 @@ class DocStore:
         v = self.get_meta("index_version")
         return int(v) if v else 0
 
-    def write_log(self, after_seq: int = 0) -> list[tuple[int, str, str, int, dict]]:
-        return [(s, op, d, v, json.loads(b)) for s, op, d, v, b in self._conn().execute(
-            "SELECT seq, op, doc_id, version, body FROM writes WHERE seq > ? ORDER BY seq", (after_seq,))]
+    def write_log(self, after_seq: int = 0) -> list[tuple[int, str, str, str, int, dict]]:
+        """(seq, op, tenant, doc_id, version, body) of every write after `after_seq`, in order."""
+        return [(s, op, t, d, v, json.loads(b)) for s, op, t, d, v, b in self._conn().execute(
+            "SELECT seq, op, tenant, doc_id, version, body FROM writes WHERE seq > ? ORDER BY seq",
+            (after_seq,))]
 
     def row_states(self) -> dict[str, int]:
         names = {PENDING: "pending", LIVE: "live", DEAD: "dead", ORPHAN: "orphan"}
@@ -232,17 +247,18 @@ class DocStore:
             out[names[state]] = n
         return out
 
-    def insert_documents(self, docs: Iterable[tuple[str, int, str, int]]) -> None:
-        """(doc_id, version, tenant, live) rows; live=0 keeps a deletion's tombstone."""
+    def insert_documents(self, docs: Iterable[tuple[str, str, int, int]]) -> None:
+        """(tenant, doc_id, version, live) rows; live=0 keeps a deletion's tombstone."""
         conn = self._conn()
         conn.execute("BEGIN")
-        conn.executemany("INSERT OR REPLACE INTO documents(doc_id, version, tenant, live) "
+        conn.executemany("INSERT OR REPLACE INTO documents(tenant, doc_id, version, live) "
                          "VALUES (?,?,?,?)", list(docs))
         conn.execute("COMMIT")
 
-    def documents(self) -> dict[str, tuple[int, str, int]]:
-        return {d: (v, t, l) for d, v, t, l in self._conn().execute(
-            "SELECT doc_id, version, tenant, live FROM documents")}
+    def documents(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(tenant, doc_id) -> (version, live), tombstones included."""
+        return {(t, d): (v, l) for t, d, v, l in self._conn().execute(
+            "SELECT tenant, doc_id, version, live FROM documents")}
 
     def live_records(self) -> list[ChunkRecord]:
         """Every live chunk, in row order (compaction input)."""
@@ -265,11 +281,15 @@ class DocStore:
         return row[0] if row else None
 
     # --- reads -------------------------------------------------------------------------------
-    def counts(self) -> dict:
+    def counts(self, tenant: Optional[str] = None) -> dict:
+        """Live chunks, documents and tenants; of one tenant only when `tenant` is given."""
         conn = self._conn()
-        chunks = conn.execute("SELECT count(*) FROM chunks WHERE live=1").fetchone()[0]
-        docs = conn.execute("SELECT count(DISTINCT doc_id) FROM chunks WHERE live=1").fetchone()[0]
-        tenants = conn.execute("SELECT count(DISTINCT tenant) FROM chunks WHERE live=1").fetchone()[0]
+        where, args = ("live=1 AND tenant=?", (tenant,)) if tenant is not None else ("live=1", ())
+        chunks = conn.execute(f"SELECT count(*) FROM chunks WHERE {where}", args).fetchone()[0]
+        docs = conn.execute("SELECT count(*) FROM (SELECT DISTINCT tenant, doc_id FROM chunks "
+                            f"WHERE {where})", args).fetchone()[0]
+        tenants = conn.execute(f"SELECT count(DISTINCT tenant) FROM chunks WHERE {where}",
+                               args).fetchone()[0]
         return {"chunks": chunks, "documents": docs, "tenants": tenants}
 
     def tenants(self) -> dict[str, int]:

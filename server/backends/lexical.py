@@ -110,16 +110,36 @@ class LexicalIndex:
         self.index.reload()
 
     def delete_rows(self, rows: Sequence[int]) -> None:
-        if not rows:
+        """Delete the chunks of these rows and commit.
+
+        By query, not by term: `delete_documents_by_term("row", n)` on the unsigned `row` field
+        deletes nothing with tantivy 0.27 (the term it builds does not match the indexed u64), so
+        replaced and deleted chunks stayed in the index and filled the BM25 top-N
+        (tests/test_live_data.py pins this)."""
+        if not len(rows):
             return
         w = self.writer()
-        for r in rows:
-            w.delete_documents_by_term("row", int(r))
+        for start in range(0, len(rows), self.DELETE_BATCH):
+            block = [int(r) for r in rows[start:start + self.DELETE_BATCH]]
+            w.delete_documents_by_query(tantivy.Query.term_set_query(self.schema, "row", block))
         w.commit()
         self.index.reload()
 
+    DELETE_BATCH = 4096
+
     def num_docs(self) -> int:
+        """Documents in the index, deleted ones excluded."""
         return int(self.index.searcher().num_docs)
+
+    def indexed_rows(self) -> list[int]:
+        """Every row the index holds (deleted ones excluded): the full check that recovery and
+        the audit use when the document count disagrees with the store."""
+        searcher = self.index.searcher()
+        n = int(searcher.num_docs)
+        if n == 0:
+            return []
+        result = searcher.search(tantivy.Query.all_query(), n, count=False)
+        return [int(r) for r in searcher.fast_field_values("row", [addr for _, addr in result.hits])]
 
     def query_terms(self, text: str) -> list[str]:
         seen: dict[str, None] = {}

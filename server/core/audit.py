@@ -81,42 +81,82 @@ def audit_build(store: CollectionStore, collection: str, build_id: str, k: int =
 
 
 def reconcile_build(store: CollectionStore, collection: str, build_id: str) -> dict:
-    """Count documents, chunks, vectors, deletes and tenants in every index of every shard and
-    check they agree with each other and with the descriptor. Stored in the descriptor."""
+    """Reconcile what a server would load for every shard (the build's files plus the streaming
+    writes since), so it is also the check an operator runs after a crash. Stored in the
+    descriptor.
+
+    Mismatches (the build cannot be served as it is):
+    - the faiss file's vectors differ from the rows the build wrote, or rows added since are not
+      contiguous after them or lack their vector;
+    - the BM25 index lacks a live row, or holds a row that is live nowhere and pending nowhere;
+    - for a build that took no writes: live chunks, documents and tenants differ from the
+      descriptor.
+    Reported, not mismatches: pending rows (recovery orphans them) and dead rows still in BM25
+    (recovery purges them)."""
+    from server.backends.docstore import LIVE
+
     desc = store.descriptor(collection, build_id)
     bdir = store.build_dir(collection, build_id)
-    mismatches, totals = [], {"documents": 0, "chunks": 0, "vectors": 0, "deleted_documents": 0}
+    mismatches, totals = [], {"documents": 0, "chunks": 0, "vectors": 0, "deleted_documents": 0,
+                              "writes": 0, "pending_rows": 0, "bm25_rows_to_purge": 0}
     tenants: dict[str, int] = {}
     for s in range(desc.shards):
         name = shard_dir_name(s)
         sdir = bdir / name
         ds = DocStore(sdir / "docstore.sqlite")
-        counts, states = ds.counts(), ds.row_states()
-        deleted = sum(1 for v, t, live in ds.documents().values() if not live)
-        for t, n in ds.tenants().items():
-            tenants[t] = tenants.get(t, 0) + n
-        ds.close()
-        dense = DenseIndex.load(sdir, desc.metric, desc.shard_files.get(name))
-        lexical_docs = LexicalIndex.open(sdir / "lexical").num_docs()
+        try:
+            counts, states = ds.counts(), ds.row_states()
+            deleted = sum(1 for v, live in ds.documents().values() if not live)
+            writes = ds.last_write_seq()
+            for t, n in ds.tenants().items():
+                tenants[t] = tenants.get(t, 0) + n
+            dense = DenseIndex.load(sdir, desc.metric, desc.shard_files.get(name))
+            added_rows, _, added_vecs = ds.added_vectors(dense.ntotal)
+            live_rows = set(ds.live_rows().tolist())
+            row_state = dict(ds._conn().execute("SELECT row, live FROM chunks"))
+        finally:
+            ds.close()
         rows = sum(states.values())
         want = desc.shard_counts.get(name, {})
-        if dense.ntotal != rows:
-            mismatches.append(f"{name}: faiss holds {dense.ntotal} vectors, the store {rows} rows")
-        if lexical_docs != states["live"]:
-            mismatches.append(f"{name}: BM25 index holds {lexical_docs} chunks, {states['live']} are live")
-        if want and want.get("chunks") != counts["chunks"]:
-            mismatches.append(f"{name}: {counts['chunks']} live chunks, the descriptor says {want.get('chunks')}")
-        if want and want.get("documents") != counts["documents"]:
-            mismatches.append(f"{name}: {counts['documents']} documents, the descriptor says "
-                              f"{want.get('documents')}")
+        if want and dense.ntotal != want.get("chunks"):
+            mismatches.append(f"{name}: the faiss file holds {dense.ntotal} vectors, the build wrote "
+                              f"{want.get('chunks')} rows")
+        if dense.ntotal + len(added_rows) != rows:
+            mismatches.append(f"{name}: faiss file ({dense.ntotal}) + rows added since "
+                              f"({len(added_rows)}) = {dense.ntotal + len(added_rows)} vectors, "
+                              f"the store {rows} rows")
+        if len(added_rows) and not np.array_equal(added_rows, np.arange(dense.ntotal,
+                                                                         dense.ntotal + len(added_rows))):
+            mismatches.append(f"{name}: rows added since the build are not contiguous from {dense.ntotal}")
+        if len(added_rows) and added_vecs.shape[1] != desc.dim:
+            mismatches.append(f"{name}: rows added since the build lack {desc.dim}-d vectors")
+        indexed = set(LexicalIndex.open(sdir / "lexical").indexed_rows())
+        missing = live_rows - indexed
+        stray = [r for r in indexed - live_rows if row_state.get(r) == LIVE or r not in row_state]
+        to_purge = len(indexed - live_rows) - len(stray)
+        if missing:
+            mismatches.append(f"{name}: the BM25 index lacks {len(missing)} live rows")
+        if stray:
+            mismatches.append(f"{name}: the BM25 index holds {len(stray)} rows the store does not have")
+        if not writes:
+            if want and want.get("chunks") != counts["chunks"]:
+                mismatches.append(f"{name}: {counts['chunks']} live chunks, the descriptor says "
+                                  f"{want.get('chunks')}")
+            if want and want.get("documents") != counts["documents"]:
+                mismatches.append(f"{name}: {counts['documents']} documents, the descriptor says "
+                                  f"{want.get('documents')}")
         totals["documents"] += counts["documents"]
         totals["chunks"] += counts["chunks"]
-        totals["vectors"] += dense.ntotal
+        totals["vectors"] += dense.ntotal + len(added_rows)
         totals["deleted_documents"] += deleted
-    if totals["chunks"] != desc.chunks:
-        mismatches.append(f"{totals['chunks']} live chunks in all, the descriptor says {desc.chunks}")
-    if desc.tenants and tenants != desc.tenants:
-        mismatches.append(f"tenant chunk counts {tenants} differ from the descriptor's {desc.tenants}")
+        totals["writes"] += writes
+        totals["pending_rows"] += states["pending"]
+        totals["bm25_rows_to_purge"] += to_purge
+    if not totals["writes"]:
+        if totals["chunks"] != desc.chunks:
+            mismatches.append(f"{totals['chunks']} live chunks in all, the descriptor says {desc.chunks}")
+        if desc.tenants and tenants != desc.tenants:
+            mismatches.append(f"tenant chunk counts {tenants} differ from the descriptor's {desc.tenants}")
     result = {"passed": not mismatches, "mismatches": mismatches, **totals, "tenants": len(tenants),
               "reconciled_at": time.time()}
     desc.reconciliation = result

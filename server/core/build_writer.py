@@ -31,7 +31,7 @@ def train_sample(x: np.ndarray, factory: str, dim: int, metric: str, rng) -> np.
 def write_shard(sdir: Path, records: Sequence[ChunkRecord], x: np.ndarray, documents: dict,
                 factory: str, metric: str, rng, dedicated_min: Optional[int], corpus_version: str,
                 build_id: str, quiet: bool = True, label: str = "") -> ShardOutput:
-    """`records[i].row == i` and `x[i]` is its vector; `documents`: doc_id -> (version, tenant,
+    """`records[i].row == i` and `x[i]` is its vector; `documents`: (tenant, doc_id) -> (version,
     live) — tombstones included, so a compacted shard still refuses older replays."""
     sdir.mkdir(parents=True)
     dim = x.shape[1]
@@ -44,7 +44,7 @@ def write_shard(sdir: Path, records: Sequence[ChunkRecord], x: np.ndarray, docum
     np.save(sdir / "vectors.npy", x)  # exact vectors: audits, exact restricted search, compaction
     store = DocStore(sdir / "docstore.sqlite", create=True)
     store.insert_chunks(records)
-    store.insert_documents((d, v, t, live) for d, (v, t, live) in documents.items())
+    store.insert_documents((t, d, v, live) for (t, d), (v, live) in documents.items())
     store.set_meta("corpus_version", corpus_version)
     store.set_meta("build_id", build_id)
     counts = store.counts()

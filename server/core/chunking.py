@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 CHUNK_WORDS = 160    # MiniLM reads 256 word pieces; 160 English words stay under that
 OVERLAP_WORDS = 32
-CHUNKER_VERSION = f"words-{CHUNK_WORDS}-{OVERLAP_WORDS}/v1"
+CHUNKER_VERSION = f"words-{CHUNK_WORDS}-{OVERLAP_WORDS}/v2"  # v2: ids keyed by (tenant, doc_id)
 
 _WORD = re.compile(r"\S+")
 
@@ -46,13 +46,15 @@ def embed_text(title: str, text: str) -> str:
     return f"{title}. {text}" if title else text
 
 
-def chunk_id(doc_id: str, index: int) -> int:
-    """A 63-bit id, a pure function of (doc_id, chunk_index): replays produce the same ids."""
-    digest = hashlib.blake2b(f"{doc_id}\x00{index}".encode(), digest_size=8).digest()
+def chunk_id(tenant: str, doc_id: str, index: int) -> int:
+    """A 63-bit id, a pure function of (tenant, doc_id, chunk_index): replays produce the same
+    ids, and two tenants' documents of the same id never share one."""
+    digest = hashlib.blake2b(f"{tenant}\x00{doc_id}\x00{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") & ((1 << 63) - 1)
 
 
-def shard_of(doc_id: str, shards: int) -> int:
-    """Documents are sharded by a hash of doc_id, so all chunks of a document share a shard."""
-    digest = hashlib.blake2b(doc_id.encode(), digest_size=8, person=b"shard").digest()
+def shard_of(tenant: str, doc_id: str, shards: int) -> int:
+    """Documents are sharded by a hash of (tenant, doc_id), so all chunks of a document share a
+    shard."""
+    digest = hashlib.blake2b(f"{tenant}\x00{doc_id}".encode(), digest_size=8, person=b"shard").digest()
     return int.from_bytes(digest, "big") % shards

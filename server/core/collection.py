@@ -9,15 +9,22 @@ rename of one small file) moves both together; the previous build stays for roll
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import re
+import shutil
 import tempfile
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from server.errors import FailedPrecondition, IndexCorruptError, InvalidArgument, NotFound
+
+log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 DESCRIPTOR = "release.json"
@@ -50,6 +57,22 @@ class ReleaseDescriptor:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    def for_tenant(self, tenant: str) -> "ReleaseDescriptor":
+        """The view a tenant-scoped admin gets: no other tenant's name or size appears in it."""
+        from dataclasses import replace
+
+        def strip(d: Optional[dict]) -> Optional[dict]:
+            return None if d is None else {k: v for k, v in d.items() if k != "tenants"}
+
+        own = self.tenants.get(tenant, 0)
+        return replace(
+            self, tenants={tenant: own} if own else {},
+            dedicated_tenants={s: [t for t in ts if t == tenant]
+                               for s, ts in self.dedicated_tenants.items() if tenant in ts},
+            shard_counts={s: strip(c) for s, c in self.shard_counts.items()},
+            reconciliation=strip(self.reconciliation), audit=strip(self.audit),
+            chunks=own, documents=0)
 
     @classmethod
     def from_json(cls, text: str, source: Path) -> "ReleaseDescriptor":
@@ -116,6 +139,82 @@ class CollectionStore:
             return json.loads(path.read_text())
         except ValueError as exc:
             raise IndexCorruptError(f"alias file {path} is invalid: {exc}") from exc
+
+    @contextmanager
+    def staging(self, name: str, build_id: str) -> Iterator[Path]:
+        """A temporary directory for a new build (offline build or compaction), renamed into
+        builds/<build_id> when the block succeeds and removed when it fails.
+
+        The staging directory `builds/.tmp-<id>` is guarded by an flock on `builds/.tmp-<id>.lock`,
+        held for the whole build: the kernel drops it when the process dies (even by SIGKILL), so
+        `sweep_abandoned` can tell a build in progress from one whose process is gone."""
+        final = self.build_dir(name, build_id)
+        if final.exists():
+            raise FileExistsError(f"build {final} already exists")
+        builds = final.parent
+        builds.mkdir(parents=True, exist_ok=True)
+        self.sweep_abandoned(name)
+        lock_path = builds / f".tmp-{build_id}.lock"
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise FileExistsError(f"build {build_id} of {name!r} is being written by another "
+                                      "process") from None
+            tmp = builds / f".tmp-{build_id}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            try:
+                yield tmp
+                os.rename(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            finally:
+                try:
+                    os.unlink(lock_path)
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(fd)
+
+    def sweep_abandoned(self, name: str) -> list[str]:
+        """Remove staging directories (`builds/.tmp-*`) whose builder is gone: its lock is free (a
+        killed build or compaction) or it has none (left by an older release). A build in
+        progress holds its lock and is left alone. Returns what was removed."""
+        builds = self.collection_dir(name) / "builds"
+        removed = []
+        if not builds.is_dir():
+            return removed
+        for tmp in sorted(builds.glob(".tmp-*")):
+            if not tmp.is_dir():
+                continue
+            lock_path = builds / f"{tmp.name}.lock"
+            fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # a builder is writing it now
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp.name)
+                log.warning("removed %s: a build or compaction that did not finish", tmp)
+            finally:
+                try:
+                    os.unlink(lock_path)
+                except FileNotFoundError:
+                    pass
+                os.close(fd)
+        for stale in builds.glob(".tmp-*.lock"):  # locks of builders that died before mkdir
+            if not (builds / stale.name[:-len(".lock")]).exists():
+                try:
+                    if time.time() - stale.stat().st_mtime > 3600:
+                        stale.unlink()
+                except FileNotFoundError:
+                    pass
+        return removed
 
     def live_build(self, name: str) -> str:
         return self.alias(name)["live"]

@@ -10,16 +10,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import secrets
-import shutil
 import time
 
 import numpy as np
 
 from server.core.build_writer import write_shard
 from server.core.collection import CollectionStore, atomic_write
-from server.core.shards import shard_dir_name
+from server.core.shards import crash_point, shard_dir_name
 
 REPLAY_FILE = "replay.json"  # {source build id: {shard number: last replayed write seq}}
 
@@ -28,12 +26,10 @@ def compact_build(store: CollectionStore, loaded, seed: int = 0):
     """Write the compacted build (not published). Returns its descriptor."""
     desc = loaded.desc
     build_id = time.strftime("%Y%m%dT%H%M%S") + "-c" + secrets.token_hex(3)
-    final_dir = store.build_dir(desc.collection, build_id)
-    tmp_dir = final_dir.parent / f".tmp-{build_id}"
     rng = np.random.default_rng(seed)
     files, counts, tenants, dedicated, marker = {}, {}, {}, {}, {}
     version_hash = hashlib.sha256(desc.corpus_version.encode())
-    try:
+    with store.staging(desc.collection, build_id) as tmp_dir:
         for shard in loaded.shards:
             with shard._write_mutex:  # a snapshot consistent with its write-log position
                 records = shard.store.live_records()
@@ -55,6 +51,7 @@ def compact_build(store: CollectionStore, loaded, seed: int = 0):
                 dedicated[name] = out.dedicated
             marker[str(shard.shard_no)] = seq
             version_hash.update(f"{shard.shard_no}:{shard.index_version}".encode())
+            crash_point("compaction_after_shard")
         new = dataclasses.replace(
             desc, build_id=build_id, created_at=time.time(), shard_files=files, shard_counts=counts,
             tenants=tenants, dedicated_tenants=dedicated, audit=None, reconciliation=None,
@@ -63,11 +60,7 @@ def compact_build(store: CollectionStore, loaded, seed: int = 0):
             corpus_version=version_hash.hexdigest()[:16])
         (tmp_dir / "release.json").write_text(new.to_json())
         (tmp_dir / REPLAY_FILE).write_text(json.dumps({desc.build_id: marker}))
-        os.rename(tmp_dir, final_dir)
-        return new
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
+    return new
 
 
 def read_replay_marker(build_dir) -> dict:

@@ -33,6 +33,8 @@ BATCH_DROPPED = Counter("search_batch_dropped_total", "Queued items dropped befo
                         ["model", "reason"])
 TOMBSTONE_RATIO = Gauge("search_tombstone_ratio", "Dead or orphaned rows / all rows (compaction "
                         "removes them)", ["collection", "shard"])
+LEXICAL_REPAIRS = Counter("search_lexical_repaired_rows_total", "Rows the BM25 index held or lacked "
+                          "against the store (invariant 7), found and repaired", ["collection", "shard"])
 ORPHANS = Gauge("search_orphan_rows", "Rows of writes that never became live", ["collection", "shard"])
 STALENESS = Histogram("search_staleness_seconds", "ingested_at - source_modified_at of written "
                       "documents", buckets=tuple(0.01 * 2 ** i for i in range(24)))

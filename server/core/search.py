@@ -138,6 +138,7 @@ class SearchCore:
     def load(self) -> None:
         names = self.config.collections or self.store.collections()
         for name in names:
+            self.store.sweep_abandoned(name)  # staging dirs of killed builds and compactions
             self.load_collection(name)
         self.ready = True
 
@@ -196,15 +197,18 @@ class SearchCore:
                            f"(serving: {sorted(self.collections) or 'none'})")
         return loaded
 
-    def stats(self, name: str) -> dict:
-        """Live counts from the shards' stores where local (writes move them), else the build's."""
+    def stats(self, name: str, tenant: Optional[str] = None) -> dict:
+        """Live counts from the shards' stores where local (writes move them), else the build's;
+        of one tenant's documents only when `tenant` is given (a tenant-scoped admin)."""
         c = self.collection(name)
         docs, chunks = c.desc.documents, c.desc.chunks
+        if tenant is not None:
+            docs, chunks = 0, c.desc.tenants.get(tenant, 0)
         if all(hasattr(s, "store") for s in c.shards):
-            counts = [s.store.counts() for s in c.shards]
+            counts = [s.store.counts(tenant) for s in c.shards]
             docs, chunks = sum(x["documents"] for x in counts), sum(x["chunks"] for x in counts)
         return {"documents": docs, "chunks": chunks,
-                "vectors": sum(getattr(s, "nrows", 0) for s in c.shards),
+                "vectors": sum(getattr(s, "nrows", 0) for s in c.shards) if tenant is None else chunks,
                 "stages": metrics.RECENT.percentiles()}
 
     # --- search ------------------------------------------------------------------------------
@@ -524,8 +528,9 @@ class SearchCore:
             raise InvalidArgument(f"unknown write operation {w.op!r}")
         if not w.doc_id or len(w.doc_id) > limits.MAX_DOC_ID_CHARS or not w.doc_id.isprintable():
             raise InvalidArgument(f"doc_id must be 1..{limits.MAX_DOC_ID_CHARS} printable characters")
-        if w.version < 1:
-            raise InvalidArgument("version must be >= 1")
+        if not 1 <= w.version <= limits.MAX_VERSION:
+            raise InvalidArgument(f"version must be between 1 and {limits.MAX_VERSION} (2^63 - 1), "
+                                  f"not {w.version}")
         if len(w.text) > limits.MAX_DOC_TEXT_CHARS:
             raise InvalidArgument(f"text is {len(w.text)} characters; the cap is {limits.MAX_DOC_TEXT_CHARS}")
         if len(w.title) > limits.MAX_TITLE_CHARS:
@@ -564,7 +569,8 @@ class SearchCore:
             body = {"tenant": tenant, "title": w.title, "text": w.text if w.op == "upsert" else "",
                     "metadata": dict(w.metadata), "acl": list(w.acl),
                     "source_modified_at": w.source_modified_at or None, "ingested_at": now}
-            outcome, stored, index_version = await self._apply(coll, w.op, w.doc_id, w.version, body)
+            outcome, stored, index_version = await self._apply(coll, w.op, tenant, w.doc_id,
+                                                                w.version, body)
         metrics.WRITES.labels(w.op, outcome).inc()
         if outcome == "applied":
             metrics.FRESHNESS.observe(time.perf_counter() - t0)
@@ -572,11 +578,11 @@ class SearchCore:
                 metrics.STALENESS.observe(max(0.0, now - w.source_modified_at))
         return outcome, stored, index_version
 
-    async def _apply(self, coll: LoadedCollection, op: str, doc_id: str, version: int,
+    async def _apply(self, coll: LoadedCollection, op: str, tenant: str, doc_id: str, version: int,
                      body: dict) -> tuple[str, int, int]:
         from server.core.chunking import chunk_text, embed_text, shard_of
 
-        shard = coll.shards[shard_of(doc_id, coll.desc.shards)]
+        shard = coll.shards[shard_of(tenant, doc_id, coll.desc.shards)]
         if not hasattr(shard, "apply_write"):
             raise FailedPrecondition("this router's shards are remote: streaming writes are served "
                                      "by the embedded default (search-server serve) in this release")
@@ -591,7 +597,7 @@ class SearchCore:
         if writer is None:  # one thread per shard: writes apply in arrival order
             writer = self._writers[key] = ThreadPoolExecutor(1, thread_name_prefix=f"writer-{key[2]}")
         outcome, stored = await asyncio.get_running_loop().run_in_executor(
-            writer, shard.apply_write, op, doc_id, version, body["tenant"], body, chunks, vectors)
+            writer, shard.apply_write, op, doc_id, version, tenant, body, chunks, vectors)
         return outcome, stored, shard.index_version
 
     # --- build switches: publish, rollback, compaction ---------------------------------------
@@ -620,8 +626,8 @@ class SearchCore:
                 raise FailedPrecondition(
                     f"{len(entries)} writes of build {source_build} must be re-embedded for build "
                     f"{target.desc.build_id} ({target.desc.model_id}); start a server with that model")
-            for seq, op, doc_id, version, body in entries:
-                outcome, _, _ = await self._apply(target, op, doc_id, version, body)
+            for seq, op, tenant, doc_id, version, body in entries:
+                outcome, _, _ = await self._apply(target, op, tenant, doc_id, version, body)
                 applied += outcome == "applied"
                 done[str(s)] = seq
             write_replay_marker(tdir, marker)

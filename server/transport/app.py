@@ -16,7 +16,7 @@ from server.core import limits
 from server.core.search import SearchCore
 from server.rpc import search_pb2, shard_pb2
 from server.transport.auth import Authenticator
-from server.transport.errors import add_service
+from server.transport.errors import Lifecycle, add_service
 from server.transport.servicers import AdminServicer, SearchServicer
 
 log = logging.getLogger(__name__)
@@ -64,13 +64,21 @@ class RunningServer:
     port: int
     health: health.aio.HealthServicer
     core: object  # SearchCore, or the LocalShard of a shard server
+    lifecycle: Lifecycle
     services: tuple = SERVICES
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Flip health to NOT_SERVING, stop accepting, drain in-flight calls and batch queues."""
+        """Flip health to NOT_SERVING, answer new calls UNAVAILABLE, give in-flight calls `grace`
+        seconds (calls still running then are answered UNAVAILABLE), stop the listener, then
+        drain the batch queues and close the core."""
         for name in ("",) + self.services:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.stop(grace)
+        late = await self.lifecycle.drain(grace)
+        if late:
+            log.warning("%d calls were still running after the %.1f s grace period: answered "
+                        "UNAVAILABLE", late, grace)
+        await self.lifecycle.quiesce()
+        await self.server.stop(1.0)
         close = getattr(self.core, "close", None)
         if close is not None:
             result = close()
@@ -81,8 +89,11 @@ class RunningServer:
 async def start_server(core: SearchCore, auth: Authenticator, host: str = "127.0.0.1",
                        port: int = 0, tls: Optional[TLSConfig] = None) -> RunningServer:
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    add_service(server, SearchServicer(core, auth), search_pb2.DESCRIPTOR.services_by_name["SearchService"])
-    add_service(server, AdminServicer(core, auth), search_pb2.DESCRIPTOR.services_by_name["AdminService"])
+    lifecycle = Lifecycle()
+    add_service(server, SearchServicer(core, auth, lifecycle),
+                search_pb2.DESCRIPTOR.services_by_name["SearchService"])
+    add_service(server, AdminServicer(core, auth, lifecycle),
+                search_pb2.DESCRIPTOR.services_by_name["AdminService"])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(SERVICES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -92,7 +103,7 @@ async def start_server(core: SearchCore, auth: Authenticator, host: str = "127.0
               else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ("",) + SERVICES:
         await health_servicer.set(name, status)
-    return RunningServer(server, bound, health_servicer, core)
+    return RunningServer(server, bound, health_servicer, core, lifecycle)
 
 
 async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0,
@@ -101,7 +112,9 @@ async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0,
     from server.transport.shard_rpc import ShardServicer
 
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    add_service(server, ShardServicer(shard), shard_pb2.DESCRIPTOR.services_by_name["ShardService"])
+    lifecycle = Lifecycle()
+    add_service(server, ShardServicer(shard, lifecycle),
+                shard_pb2.DESCRIPTOR.services_by_name["ShardService"])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SHARD_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
@@ -110,17 +123,17 @@ async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0,
     await server.start()
     for name in ("", SHARD_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, bound, health_servicer, shard, (SHARD_SERVICE,))
+    return RunningServer(server, bound, health_servicer, shard, lifecycle, (SHARD_SERVICE,))
 
 
-async def wait_for_signal_then_stop(running: RunningServer) -> None:
+async def wait_for_signal_then_stop(running: RunningServer, grace: float = 5.0) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutting down: draining in-flight requests")
-    await running.stop()
+    log.info("shutting down: draining in-flight requests (grace %.1f s)", grace)
+    await running.stop(grace)
 
 
 def start_metrics(host: str, metrics_port: Optional[int]) -> str:
@@ -133,18 +146,18 @@ def start_metrics(host: str, metrics_port: Optional[int]) -> str:
 
 
 async def serve_shard_forever(shard, host: str, port: int, metrics_port: Optional[int],
-                              tls: Optional[TLSConfig] = None) -> None:
+                              tls: Optional[TLSConfig] = None, grace: float = 5.0) -> None:
     note = start_metrics(host, metrics_port)
     running = await start_shard_server(shard, host, port, tls)
     print(f"shard server (shard {shard.shard_no} of {shard.desc.collection}/{shard.desc.build_id}) "
           f"listening on {host}:{running.port}{note}", flush=True)
-    await wait_for_signal_then_stop(running)
+    await wait_for_signal_then_stop(running, grace)
 
 
 async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: int,
                         metrics_port: Optional[int], ready_message: bool = True,
                         setup=None, tls: Optional[TLSConfig] = None,
-                        background: tuple = ()) -> None:
+                        background: tuple = (), grace: float = 5.0) -> None:
     """`background`: coroutines run for the server's life (alias watching, scheduled compaction)."""
     note = start_metrics(host, metrics_port)
     if setup is not None:  # e.g. connecting a router to its shard replicas, inside the loop
@@ -155,7 +168,7 @@ async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: 
         print(f"search-server listening on {host}:{running.port}{note}", flush=True)
     tasks = [asyncio.get_running_loop().create_task(c) for c in background]
     try:
-        await wait_for_signal_then_stop(running)
+        await wait_for_signal_then_stop(running, grace)
     finally:
         for t in tasks:
             t.cancel()

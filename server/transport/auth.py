@@ -7,7 +7,11 @@ request field, so no request can name, widen or wildcard its tenant.
                  "acl": ["eng", "hr"], "roles": ["write", "admin"]}, ...]}
   ("token": "<plain token>" is accepted in place of "sha256" for development files.)
 Any verifier with `authenticate(metadata) -> Principal` plugs in (e.g. JWT or mTLS identity).
-Roles gate operations: "write" for UpsertDocument/DeleteDocument, "admin" for the admin service.
+Roles gate operations:
+- "write": UpsertDocument / DeleteDocument (within the caller's tenant);
+- "admin": the admin service's reads, scoped to the caller's tenant (its own counts; no other
+  tenant's name appears in a description);
+- "operator": collection-wide actions and views (Compact, every tenant's counts); implies "admin".
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from typing import Protocol
 from server.core.collection import NAME
 from server.errors import PermissionDenied, Unauthenticated
 
-ROLES = ("write", "admin")
+ROLES = ("write", "admin", "operator")
 
 
 @dataclass(frozen=True)
@@ -31,9 +35,16 @@ class Principal:
     roles: frozenset = field(default_factory=frozenset)
 
     def require(self, role: str) -> "Principal":
-        if role not in self.roles:
+        if not self.has(role):
             raise PermissionDenied(f"tenant {self.tenant!r}: this credential lacks the {role!r} role")
         return self
+
+    def has(self, role: str) -> bool:
+        return role in self.roles or (role == "admin" and "operator" in self.roles)
+
+    @property
+    def is_operator(self) -> bool:
+        return "operator" in self.roles
 
 
 class Authenticator(Protocol):

@@ -5,6 +5,7 @@ unexpected becomes INTERNAL, is logged with its traceback, and the server keeps 
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 
@@ -76,17 +77,76 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+class Lifecycle:
+    """In-flight calls of one server, and its shutdown: once draining, new calls are answered
+    UNAVAILABLE at once (clients retry that code, elsewhere or later), calls already running get
+    the grace period to finish, and those still running after it are cancelled and answered
+    UNAVAILABLE too - never CANCELLED, which clients do not retry."""
+
+    def __init__(self):
+        self.draining = False
+        self._tasks: set[asyncio.Task] = set()
+        self._last_refusal = 0.0
+
+    def enter(self) -> None:
+        if self.draining:
+            self._last_refusal = asyncio.get_running_loop().time()
+            raise errors.Unavailable("the server is shutting down; retry")
+        self._tasks.add(asyncio.current_task())
+
+    def leave(self) -> None:
+        self._tasks.discard(asyncio.current_task())
+
+    async def drain(self, grace: float) -> int:
+        """Stop admitting calls, wait up to `grace` seconds for running ones; returns how many
+        had to be cancelled."""
+        self.draining = True
+        running = set(self._tasks)
+        if running:
+            _, late = await asyncio.wait(running, timeout=grace)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=2.0)
+            return len(late)
+        return 0
+
+    async def quiesce(self, idle: float = 0.1, cap: float = 2.0) -> None:
+        """Keep answering UNAVAILABLE until no call has arrived for `idle` seconds (at most `cap`):
+        calls the transport accepted but had not yet handed to a handler are answered here,
+        instead of being cancelled when the listener stops."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + cap
+        self._last_refusal = max(self._last_refusal, loop.time())
+        while loop.time() < end:
+            wait = self._last_refusal + idle - loop.time()
+            if wait <= 0:
+                return
+            await asyncio.sleep(min(wait, end - loop.time()))
+
+
 def boundary(method: str):
-    """Decorator for async servicer methods: map errors once, count every answer by code."""
+    """Decorator for async servicer methods (on servicers with a `lifecycle`): map errors once,
+    count every answer by code, answer UNAVAILABLE while the server drains."""
 
     def wrap(fn):
         @functools.wraps(fn)
         async def handler(self, request, context):
+            lifecycle: Lifecycle = self.lifecycle
+            entered = False
             try:
+                lifecycle.enter()
+                entered = True
                 if isinstance(request, Malformed):
                     raise errors.InvalidArgument(f"request is not a valid {request.message_type}: "
                                                  f"{type(request.error).__name__}")
                 response = await fn(self, request, context)
+            except asyncio.CancelledError:
+                if not lifecycle.draining:
+                    raise  # the client went away
+                metrics.REQUESTS.labels(method, "UNAVAILABLE").inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "the server shut down before answering; retry")
             except errors.SearchError as exc:
                 code = status_for(exc)
                 metrics.REQUESTS.labels(method, code.name).inc()
@@ -98,6 +158,9 @@ def boundary(method: str):
                 metrics.REQUESTS.labels(method, "INTERNAL").inc()
                 await context.abort(grpc.StatusCode.INTERNAL,
                                     f"internal error in {method}: {type(exc).__name__}")
+            finally:
+                if entered:
+                    lifecycle.leave()
             metrics.REQUESTS.labels(method, "OK").inc()
             return response
 

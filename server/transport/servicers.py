@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 
@@ -10,8 +11,8 @@ from server.core.types import Filter, SearchQuery, SearchResult, WriteRequest
 from server.errors import InvalidArgument
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
-from server.transport.auth import Authenticator
-from server.transport.errors import boundary
+from server.transport.auth import Authenticator, Principal
+from server.transport.errors import Lifecycle, boundary
 
 MODE_NAMES = {pb.SEARCH_MODE_UNSPECIFIED: "", pb.DENSE: "dense", pb.LEXICAL: "lexical",
               pb.HYBRID: "hybrid"}
@@ -76,9 +77,10 @@ def result_to_pb(res: SearchResult, dense_kind: int) -> pb.SearchResponse:
 
 
 class SearchServicer(pb_grpc.SearchServiceServicer):
-    def __init__(self, core: SearchCore, auth: Authenticator):
+    def __init__(self, core: SearchCore, auth: Authenticator, lifecycle: Lifecycle):
         self.core = core
         self.auth = auth
+        self.lifecycle = lifecycle
 
     @boundary("Search")
     async def Search(self, request, context):
@@ -110,8 +112,13 @@ def write_response(outcome: str, stored: int, index_version: int) -> pb.WriteRes
         stored_version=stored, index_version=str(index_version))
 
 
-def describe_pb(core: SearchCore, name: str) -> pb.CollectionDescription:
+def describe_pb(core: SearchCore, name: str, principal: Principal) -> pb.CollectionDescription:
+    """Operators see the whole descriptor; a tenant's admin sees its own tenant's view of it."""
     d = core.collection(name).desc
+    if not principal.is_operator:
+        counts = core.stats(name, principal.tenant)
+        d = dataclasses.replace(d.for_tenant(principal.tenant), documents=counts["documents"],
+                                chunks=counts["chunks"])
     return pb.CollectionDescription(
         name=d.collection, build_id=d.build_id, model_id=d.model_id, dim=d.dim, metric=d.metric,
         factory=d.factory, shards=d.shards, corpus_version=d.corpus_version, chunker=d.chunker,
@@ -119,24 +126,28 @@ def describe_pb(core: SearchCore, name: str) -> pb.CollectionDescription:
 
 
 class AdminServicer(pb_grpc.AdminServiceServicer):
-    def __init__(self, core: SearchCore, auth: Authenticator):
+    """Admin reads are scoped to the caller's tenant unless it holds the operator role;
+    collection-wide actions (Compact) need the operator role."""
+
+    def __init__(self, core: SearchCore, auth: Authenticator, lifecycle: Lifecycle):
         self.core = core
         self.auth = auth
+        self.lifecycle = lifecycle
 
     @boundary("ListCollections")
     async def ListCollections(self, request, context):
-        self.auth.authenticate(context.invocation_metadata()).require("admin")
+        principal = self.auth.authenticate(context.invocation_metadata()).require("admin")
         return pb.ListCollectionsResponse(
-            collections=[describe_pb(self.core, n) for n in sorted(self.core.collections)])
+            collections=[describe_pb(self.core, n, principal) for n in sorted(self.core.collections)])
 
     @boundary("DescribeCollection")
     async def DescribeCollection(self, request, context):
-        self.auth.authenticate(context.invocation_metadata()).require("admin")
-        return describe_pb(self.core, request.collection)
+        principal = self.auth.authenticate(context.invocation_metadata()).require("admin")
+        return describe_pb(self.core, request.collection, principal)
 
     @boundary("Compact")
     async def Compact(self, request, context):
-        self.auth.authenticate(context.invocation_metadata()).require("admin")
+        self.auth.authenticate(context.invocation_metadata()).require("operator")
         r = await self.core.compact(request.collection)
         before = r["rows_before"]
         return pb.CompactResponse(build_id=r["build_id"], previous_build_id=r["previous"],
@@ -147,8 +158,8 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
 
     @boundary("CollectionStats")
     async def CollectionStats(self, request, context):
-        self.auth.authenticate(context.invocation_metadata()).require("admin")
-        s = self.core.stats(request.collection)
+        principal = self.auth.authenticate(context.invocation_metadata()).require("admin")
+        s = self.core.stats(request.collection, None if principal.is_operator else principal.tenant)
         return pb.CollectionStatsResponse(
             collection=request.collection, documents=s["documents"], chunks=s["chunks"],
             vectors=s["vectors"],

@@ -14,7 +14,7 @@ from server.core import metrics
 from server.core.types import Candidate, Filter, ShardQuery, ShardResult
 from server.rpc import shard_pb2 as spb
 from server.rpc import shard_pb2_grpc as spb_grpc
-from server.transport.errors import boundary
+from server.transport.errors import Lifecycle, boundary
 
 FROM_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
@@ -86,8 +86,9 @@ def result_from_pb(p: spb.ShardSearchResponse) -> ShardResult:
 class ShardServicer(spb_grpc.ShardServiceServicer):
     """Serves one LocalShard (or a fault-injecting wrapper of one) to routers."""
 
-    def __init__(self, shard):
+    def __init__(self, shard, lifecycle: Lifecycle):
         self.shard = shard
+        self.lifecycle = lifecycle
 
     @boundary("SearchShard")
     async def SearchShard(self, request, context):
