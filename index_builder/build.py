@@ -16,12 +16,12 @@ import numpy as np
 from tqdm import tqdm
 
 from index_builder.corpus import Document
-from server.backends.docstore import PUBLIC_ACL, ChunkRecord
+from server.backends.docstore import PUBLIC_ACL, ChunkRecord, chunk_fingerprint
 from server.backends.lexical import ANALYZER_VERSION
-from server.core.chunking import CHUNKER_VERSION, chunk_id, chunk_text, embed_text, shard_of
+from server.core.chunking import CHUNKER_VERSION, chunk_id, document_chunks, embed_text, shard_of
 from server.core.collection import NAME, CollectionStore, ReleaseDescriptor, check_name
 from server.core.build_writer import write_shard
-from server.core.shards import shard_dir_name
+from server.core.collection import shard_dir_name
 
 DEFAULT_FACTORY = "Flat"
 
@@ -35,6 +35,7 @@ class PendingChunk:
     text: str
     chunk_id: int
     shard: int
+    doc_row: int = -1  # the document's position in the corpus (own-vector builds)
 
 
 def _progress(total: int, desc: str, quiet: bool):
@@ -45,17 +46,32 @@ def build_collection(docs: Iterable[Document], store: CollectionStore, collectio
                      factory: str = DEFAULT_FACTORY, shards: int = 1, metric: str = "ip",
                      search_defaults: Optional[dict] = None, build_id: Optional[str] = None,
                      quiet: bool = False, seed: int = 1234,
-                     dedicated_tenant_min_chunks: Optional[int] = None) -> ReleaseDescriptor:
+                     dedicated_tenant_min_chunks: Optional[int] = None,
+                     vectors: Optional[np.ndarray] = None, model_id: Optional[str] = None,
+                     audit_queries: Optional[np.ndarray] = None,
+                     log_positions: Optional[dict] = None) -> ReleaseDescriptor:
     """Build a new immutable build of `collection`. Tenants owning at least
-    `dedicated_tenant_min_chunks` chunks of a shard also get their own dense index there."""
+    `dedicated_tenant_min_chunks` chunks of a shard also get their own dense index there.
+
+    Your own vectors: with `vectors` (one row per document, in corpus order) or a `vector` on
+    every document, and `model_id` naming the model that made them, nothing is embedded and each
+    document is one chunk (you chunked it yourself). `audit_queries` are held-out query vectors
+    for the recall audit; a text build embeds spans of its own corpus for that when none are given.
+    """
     check_name(collection)
     if shards < 1:
         raise ValueError("shards must be >= 1")
+    own = vectors is not None
+    if own and not model_id:
+        raise ValueError("a build from your own vectors needs --model-id (the model that made them)")
+    if not own and embedder is None:
+        raise ValueError("a text build needs an embedder (or give --vectors with --model-id)")
     build_id = check_name(build_id or time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3),
                           "build")
     with store.staging(collection, build_id) as tmp_dir:
         return _build(docs, collection, embedder, factory, shards, metric, search_defaults or {},
-                      build_id, tmp_dir, quiet, seed, dedicated_tenant_min_chunks)
+                      build_id, tmp_dir, quiet, seed, dedicated_tenant_min_chunks, vectors,
+                      model_id, audit_queries, log_positions or {})
 
 
 def _check_doc(doc: Document) -> None:
@@ -66,8 +82,46 @@ def _check_doc(doc: Document) -> None:
             raise ValueError(f"document {doc.doc_id!r}: ACL scope {scope[:80]!r} must match {NAME.pattern}")
 
 
+def _own_vectors(documents: list[Document], vectors: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """Per-document vectors from --vectors (aligned with the corpus) or the JSONL `vector` field."""
+    given = [d.vector for d in documents]
+    if vectors is None and all(v is None for v in given):
+        return None
+    if vectors is None:
+        if any(v is None for v in given):
+            missing = next(d.doc_id for d in documents if d.vector is None)
+            raise ValueError(f"document {missing!r} has no vector while others do")
+        vectors = np.asarray(given, dtype=np.float32)
+    vectors = np.asarray(vectors, dtype=np.float32)
+    if vectors.ndim != 2 or len(vectors) != len(documents):
+        raise ValueError(f"{len(vectors) if vectors.ndim else 0} vectors for {len(documents)} "
+                         "documents: give one per document, in corpus order")
+    if not np.isfinite(vectors).all():
+        bad = int(np.flatnonzero(~np.isfinite(vectors).all(axis=1))[0])
+        raise ValueError(f"the vector of document {documents[bad].doc_id!r} (row {bad}) has NaN or "
+                         "infinite values")
+    return vectors
+
+
+def _span_queries(chunks: list[PendingChunk], embedder, n: int, seed: int) -> np.ndarray:
+    """Held-out audit queries for a text build: short spans (6-16 words) of random chunks,
+    embedded like queries. They are not indexed vectors, so recall is not flattered by exact
+    self-matches."""
+    rng = np.random.default_rng(seed)
+    texts = []
+    for i in rng.choice(len(chunks), size=min(n, len(chunks)), replace=False):
+        words = (chunks[i].text or chunks[i].doc.title).split()
+        if not words:
+            continue
+        span = int(rng.integers(6, 17))
+        start = int(rng.integers(0, max(1, len(words) - span + 1)))
+        texts.append(" ".join(words[start:start + span]))
+    return embedder.encode_many(texts) if texts else np.zeros((0, embedder.dim), np.float32)
+
+
 def _build(docs, collection, embedder, factory, shards, metric, search_defaults, build_id,
-           tmp_dir, quiet, seed, dedicated_min) -> ReleaseDescriptor:
+           tmp_dir, quiet, seed, dedicated_min, given_vectors, model_id, audit_queries,
+           log_positions) -> ReleaseDescriptor:
     # 1. chunk (and fingerprint the corpus: corpus_version is a content hash)
     corpus_hash = hashlib.sha256(CHUNKER_VERSION.encode())
     chunks: list[PendingChunk] = []
@@ -79,21 +133,43 @@ def _build(docs, collection, embedder, factory, shards, metric, search_defaults,
         seen_docs.add((doc.tenant, doc.doc_id))
         _check_doc(doc)
         documents.append(doc)
+    own = _own_vectors(documents, given_vectors)
+    if own is not None:
+        corpus_hash.update(b"own-vectors")
+    for i, doc in enumerate(documents):
         corpus_hash.update(json.dumps([doc.doc_id, doc.title, doc.text, doc.tenant, sorted(doc.acl),
                                        sorted(doc.metadata.items())]).encode())
         s = shard_of(doc.tenant, doc.doc_id, shards)
-        for c in chunk_text(doc.text):
+        if own is not None:  # the caller chunked (and embedded) it: one chunk
+            chunks.append(PendingChunk(doc, 0, 0, len(doc.text), doc.text,
+                                       chunk_id(doc.tenant, doc.doc_id, 0), s, i))
+            continue
+        for c in document_chunks(doc.title, doc.text):
             chunks.append(PendingChunk(doc, c.index, c.start, c.end, c.text,
                                        chunk_id(doc.tenant, doc.doc_id, c.index), s))
     if not chunks:
         raise ValueError("the corpus has no text to index")
+    if own is not None:
+        corpus_hash.update(hashlib.sha256(own.tobytes()).digest())
     corpus_version = corpus_hash.hexdigest()[:16]
 
-    # 2. embed every chunk once (batches of similar length)
-    with _progress(len(chunks), "embed", quiet) as bar:
-        vectors = embedder.encode_many([embed_text(c.doc.title, c.text) for c in chunks],
-                                       progress=bar.update)
+    # 2. embed every chunk once (batches of similar length), or take the caller's vectors
+    if own is not None:
+        vectors = own[[c.doc_row for c in chunks]]
+        model, revision = model_id, "external"
+    else:
+        with _progress(len(chunks), "embed", quiet) as bar:
+            vectors = embedder.encode_many([embed_text(c.doc.title, c.text) for c in chunks],
+                                           progress=bar.update)
+        model, revision = embedder.model_id, embedder.revision
+        if audit_queries is None:
+            audit_queries = _span_queries(chunks, embedder, 200, seed)
     dim = vectors.shape[1]
+    if audit_queries is not None:
+        audit_queries = np.asarray(audit_queries, dtype=np.float32)
+        if audit_queries.ndim != 2 or audit_queries.shape[1] != dim:
+            raise ValueError(f"audit queries must be an (n, {dim}) array, not {audit_queries.shape}")
+        np.save(tmp_dir / AUDIT_QUERIES, audit_queries)
 
     # 3. per shard: train, add in blocks, write dense + lexical + chunk store
     rng = np.random.default_rng(seed)
@@ -104,7 +180,8 @@ def _build(docs, collection, embedder, factory, shards, metric, search_defaults,
         records = [ChunkRecord(row, chunks[i].chunk_id, chunks[i].doc.doc_id, chunks[i].index,
                                chunks[i].start, chunks[i].end, chunks[i].doc.title, chunks[i].text,
                                chunks[i].doc.tenant, chunks[i].doc.metadata,
-                               tuple(chunks[i].doc.acl) or (PUBLIC_ACL,))
+                               tuple(chunks[i].doc.acl) or (PUBLIC_ACL,),
+                               chunk_fingerprint(chunks[i].doc.title, chunks[i].text))
                    for row, i in enumerate(members)]
         shard_docs = {}
         for i in members:
@@ -118,15 +195,17 @@ def _build(docs, collection, embedder, factory, shards, metric, search_defaults,
             dedicated[name] = out.dedicated
 
     desc = ReleaseDescriptor(
-        collection=collection, build_id=build_id, model_id=embedder.model_id,
-        model_revision=embedder.revision, dim=dim, metric=metric, chunker=CHUNKER_VERSION,
+        collection=collection, build_id=build_id, model_id=model, model_revision=revision,
+        dim=dim, metric=metric, chunker=CHUNKER_VERSION if own is None else "caller-chunked/v1",
         lexical_analyzer=ANALYZER_VERSION, factory=factory, shards=shards,
         corpus_version=corpus_version, documents=len(documents), chunks=len(chunks),
         created_at=time.time(), shard_files=shard_files, shard_counts=shard_counts,
-        tenants=tenants, search_defaults=search_defaults, dedicated_tenants=dedicated)
+        tenants=tenants, search_defaults=search_defaults, dedicated_tenants=dedicated,
+        log_positions=log_positions,
+        audit_queries=AUDIT_QUERIES if audit_queries is not None else None)
     (tmp_dir / "release.json").write_text(desc.to_json())
     return desc
 
 
 # the audit runs in-server too (compaction), so it lives with the core
-from server.core.audit import audit_build, reconcile_build  # noqa: E402,F401
+from server.core.audit import AUDIT_QUERIES, audit_build, reconcile_build  # noqa: E402,F401

@@ -40,15 +40,33 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--metric", choices=["ip", "l2"], default="ip",
                    help="ip = cosine on the normalised embeddings (default)")
     b.add_argument("--shards", type=int, default=1, help="number of shards (hash of doc id)")
-    b.add_argument("--nprobe", type=int, default=32, help="IVF lists probed per query")
-    b.add_argument("--ef-search", type=int, default=128, help="HNSW efSearch")
-    b.add_argument("--k-factor", type=int, default=4, help="refine shortlist factor for ...,RFlat")
+    b.add_argument("--nprobe", type=int, default=None,
+                   help="IVF lists probed per query (default: tuned to --target-recall)")
+    b.add_argument("--ef-search", type=int, default=None,
+                   help="HNSW efSearch (default: tuned to --target-recall)")
+    b.add_argument("--k-factor", type=int, default=None,
+                   help="refine shortlist factor for ...,RFlat (default: tuned to --target-recall)")
+    b.add_argument("--target-recall", type=float, default=0.95,
+                   help="with --audit/--publish: pick the cheapest knob setting (efSearch, nprobe, "
+                        "k_factor) whose held-out recall@10 meets this; knobs given explicitly are "
+                        "kept as they are (0 = do not tune)")
+    b.add_argument("--vectors", type=Path, default=None,
+                   help="your own embeddings: .npy with one row per corpus document, in corpus "
+                        "order (or a 'vector' field on every JSONL line); each document is then "
+                        "one chunk and nothing is embedded")
+    b.add_argument("--model-id", default=None,
+                   help="with your own vectors: the id of the model that made them (query "
+                        "vectors must carry the same id)")
+    b.add_argument("--audit-queries", type=Path, default=None,
+                   help=".npy of held-out query vectors for the recall audit (default for text "
+                        "builds: embedded spans of the corpus)")
     b.add_argument("--limit", type=int, default=None, help="index only the first N documents")
     b.add_argument("--tenant", default="default", help="tenant of documents that name none")
     b.add_argument("--dedicated-tenant-min-chunks", type=int, default=None,
                    help="tenants owning at least this many chunks of a shard get their own index")
-    b.add_argument("--embedder", type=Path, default=None,
-                   help="local model directory (default: the packaged all-MiniLM-L6-v2)")
+    b.add_argument("--embedder", default=None,
+                   help="local model directory (default: the packaged all-MiniLM-L6-v2; not "
+                        "loaded for a build from your own vectors)")
     b.add_argument("--embedder-name", default=None, help="model name for the model id")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     b.add_argument("--build-id", default=None)
@@ -61,8 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(a)
     a.add_argument("--build", default=None, help="build id (default: the newest build)")
     a.add_argument("--k", type=int, default=10)
-    a.add_argument("--queries", type=int, default=200, help="sampled query vectors")
+    a.add_argument("--queries", type=int, default=200, help="audit queries used (held-out ones "
+                   "stored with the build when it has them)")
     a.add_argument("--min-recall", type=float, default=0.9)
+    a.add_argument("--target-recall", type=float, default=None,
+                   help="also tune the search knobs to the cheapest setting meeting this recall")
+    a.add_argument("--state-dir", type=Path, default=None,
+                   help="where servers keep this collection's state (default: DATA_DIR/.state): "
+                        "the reconciliation checks what a server would load from it")
+    a.add_argument("--no-record", action="store_true",
+                   help="print the result without writing it into the build's descriptor (a "
+                        "check of a published build, e.g. on a read-only volume)")
 
     pub = sub.add_parser("publish", help="flip the collection's alias to a build (audit must pass)")
     _add_common(pub)
@@ -103,33 +130,57 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _knobs(args) -> tuple[dict, bool]:
+    """Search knobs given on the command line, and whether to tune the others."""
+    given = {k: v for k, v in (("nprobe", args.nprobe), ("ef_search", args.ef_search),
+                               ("k_factor", args.k_factor)) if v is not None}
+    from server.backends.dense import SearchKnobs
+
+    return {**SearchKnobs().__dict__, **given}, not given and bool(args.target_recall)
+
+
 def cmd_build(args) -> int:
     from itertools import islice
 
+    import numpy as np
+
     from index_builder.build import audit_build, build_collection
     from index_builder.corpus import read_corpus
-    from server.backends.device import Device
-    from server.backends.models import Embedder
     from server.core.collection import CollectionStore
 
     store = CollectionStore(args.data_dir)
-    embedder = Embedder(args.embedder, Device(args.device), model_name=args.embedder_name)
     docs = read_corpus(args.corpus, args.tenant)
     if args.limit:
         docs = islice(docs, args.limit)
+    vectors = np.load(args.vectors, allow_pickle=False) if args.vectors else None
+    if args.vectors is not None and args.limit:
+        vectors = vectors[:args.limit]
+    audit_queries = np.load(args.audit_queries, allow_pickle=False) if args.audit_queries else None
+    embedder = None
+    if vectors is None and not args.model_id:
+        from server.backends.device import Device
+        from server.backends.models import Embedder
+
+        embedder = Embedder(Path(args.embedder) if args.embedder else None, Device(args.device),
+                            model_name=args.embedder_name)
+    knobs, tune = _knobs(args)
     desc = build_collection(docs, store, args.collection, embedder, args.factory, args.shards,
-                            args.metric, {"nprobe": args.nprobe, "ef_search": args.ef_search,
-                                          "k_factor": args.k_factor},
-                            args.build_id, quiet=args.quiet,
-                            dedicated_tenant_min_chunks=args.dedicated_tenant_min_chunks)
+                            args.metric, knobs, args.build_id, quiet=args.quiet,
+                            dedicated_tenant_min_chunks=args.dedicated_tenant_min_chunks,
+                            vectors=vectors, model_id=args.model_id, audit_queries=audit_queries)
     print(f"built {args.collection}/{desc.build_id}: {desc.documents} documents, {desc.chunks} "
           f"chunks, {desc.shards} shard(s), factory {desc.factory}, model {desc.model_id}")
     if args.audit or args.publish:
-        audit = audit_build(store, args.collection, desc.build_id, min_recall=args.min_recall)
+        audit = audit_build(store, args.collection, desc.build_id, min_recall=args.min_recall,
+                            target_recall=args.target_recall if tune else None)
         recon = audit["reconciliation"]
-        print(f"audit: recall@{audit['k']} = {audit['recall']:.4f} over {audit['queries']} queries "
-              f"({'passed' if audit['passed'] else 'FAILED'}, threshold {args.min_recall}); "
-              f"count reconciliation {'passed' if recon['passed'] else 'FAILED: ' + '; '.join(recon['mismatches'])}")
+        if audit.get("tuning"):
+            print(f"tuned: {audit['tuning']['chosen']} meets recall@{audit['k']} "
+                  f">= {args.target_recall} at the lowest measured cost")
+        print(f"audit: recall@{audit['k']} = {audit['recall']:.4f} over {audit['queries']} "
+              f"{audit['query_source']} queries ({'passed' if audit['passed'] else 'FAILED'}, "
+              f"threshold {args.min_recall}); count reconciliation "
+              f"{'passed' if recon['passed'] else 'FAILED: ' + '; '.join(recon['mismatches'])}")
         if args.publish:
             if not (audit["passed"] and recon["passed"]):
                 print("not published: the audit failed", file=sys.stderr)
@@ -149,8 +200,14 @@ def cmd_audit(args) -> int:
     if build is None:
         print(f"collection {args.collection!r} has no builds under {args.data_dir}", file=sys.stderr)
         return 2
+    record = not args.no_record
+    if record and not os.access(store.build_dir(args.collection, build), os.W_OK):
+        print(f"{store.build_dir(args.collection, build)} is read-only: the result is printed, "
+              "not recorded", file=sys.stderr)
+        record = False
     audit = audit_build(store, args.collection, build, args.k, n_queries=args.queries,
-                        min_recall=args.min_recall)
+                        min_recall=args.min_recall, target_recall=args.target_recall,
+                        state_root=args.state_dir or args.data_dir / ".state", record=record)
     print(json.dumps(audit, indent=2))
     return 0 if audit["passed"] and audit["reconciliation"]["passed"] else 1
 

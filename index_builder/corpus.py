@@ -7,7 +7,7 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 
 @dataclass
@@ -19,6 +19,7 @@ class Document:
     tenant: str = "default"
     acl: tuple = ()  # scopes allowed to read it; empty = every caller of its tenant
     version: int = 1
+    vector: Optional[list] = None  # your own embedding of this document (one chunk), if any
 
 
 def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Document]:
@@ -41,10 +42,14 @@ def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Documen
                 acl = obj.get("acl") or []
                 if not isinstance(acl, list):
                     raise ValueError("acl must be a list of scope names")
+                vector = obj.get("vector")
+                if vector is not None and (not isinstance(vector, list) or not vector
+                                           or not all(isinstance(x, (int, float)) for x in vector)):
+                    raise ValueError("vector must be a non-empty list of numbers")
                 yield Document(str(doc_id), str(obj["text"]), str(obj.get("title") or ""),
                                {str(k): str(v) for k, v in meta.items()},
                                str(obj.get("tenant") or default_tenant), tuple(str(a) for a in acl),
-                               int(obj.get("version") or 1))
+                               int(obj.get("version") or 1), vector)
             except ValueError as exc:
                 raise ValueError(f"{path}:{lineno}: {exc}") from None
 

@@ -90,14 +90,28 @@ def small_collection(tmp_path_factory, tiny_embedder, cranfield_docs):
     return data, publish_build(data, "cran", cranfield_docs[:300], tiny_embedder, shards=2)
 
 
-def start_core_server(data_dir, embedder=None, reranker=None, **config):
+def server_config(data_dir, **sections):
+    """The configuration the CLI builds (server/config.py), with some sections changed, e.g.
+    server_config(data, engine={"max_batch": 8})."""
+    from server.config import default_config
+
+    return default_config("serve").replace(storage={"data_dir": data_dir, **sections.pop("storage", {})},
+                                           **sections)
+
+
+def make_core(data_dir, embedder=None, reranker=None, **sections):
     from server.backends.device import Device
-    from server.core.search import SearchConfig, SearchCore
+    from server.core.service import SearchCore
+
+    return SearchCore(server_config(data_dir, **sections), embedder, reranker, Device("cpu"))
+
+
+def start_core_server(data_dir, embedder=None, reranker=None, auth=None, tls=None, **sections):
     from server.transport.auth import AnonymousAuth
 
-    core = SearchCore(SearchConfig(data_dir=data_dir, **config), embedder, reranker, Device("cpu"))
+    core = make_core(data_dir, embedder, reranker, **sections)
     core.load()
-    return ServerThread(core, AnonymousAuth("default")).start()
+    return ServerThread(core, auth or AnonymousAuth("default"), tls=tls).start()
 
 
 _CHILDREN: list = []
@@ -116,8 +130,13 @@ def _no_leftover_processes():
 
 def live_row(shard, chunk_id):
     """The shard row holding the live version of a chunk."""
-    return shard.store._conn().execute(
+    return shard.index.store._conn().execute(
         "SELECT row FROM chunks WHERE chunk_id=? AND live=1", (chunk_id,)).fetchone()[0]
+
+
+def shards_of(srv, name):
+    """The local shards a running embedded server serves for a collection."""
+    return srv.core.registry.get(name).shards
 
 
 class ShardProcess:
@@ -164,18 +183,18 @@ class ShardProcess:
                 self.kill()
 
 
-def start_router(embedder, collection, replicas, policy=None, **config):
+def start_router(embedder, collection, replicas, policy=None, token=None, write_log=None, **sections):
     """An in-process router (real gRPC server) over shard server processes."""
     from server.backends.device import Device
     from server.core.replicas import HedgePolicy
-    from server.core.search import SearchConfig, SearchCore
+    from server.core.service import SearchCore
     from server.transport.auth import AnonymousAuth
     from server.transport.router import connect_router
 
-    core = SearchCore(SearchConfig(data_dir=REPO, **config), embedder, None, Device("cpu"))
+    core = SearchCore(server_config(REPO, **sections), embedder, None, Device("cpu"), write_log)
 
     async def setup():
-        await connect_router(core, collection, replicas, policy or HedgePolicy())
+        await connect_router(core, collection, replicas, policy or HedgePolicy(), token=token)
 
     return ServerThread(core, AnonymousAuth("default"), setup).start()
 

@@ -72,7 +72,7 @@ def test_every_query_sees_one_build_across_an_alias_flip(two_builds, tiny_embedd
 
     store, a, b = two_builds
     audit_build(store, "c", b.build_id)
-    srv = start_core_server(store.data_dir, tiny_embedder, retrieval_cache_size=0)
+    srv = start_core_server(store.data_dir, tiny_embedder, pipeline={"retrieval_cache_size": 0})
     seen, bad = [], []
     stop = threading.Event()
 
@@ -179,7 +179,7 @@ def test_compaction_drops_tombstones_and_keeps_every_answer(two_builds, tiny_emb
     from server.core import metrics
 
     store, a, _ = two_builds
-    srv = start_core_server(store.data_dir, tiny_embedder, retrieval_cache_size=0)
+    srv = start_core_server(store.data_dir, tiny_embedder, pipeline={"retrieval_cache_size": 0})
     try:
         with grpc.insecure_channel(srv.address) as ch:
             stub = pb_grpc.SearchServiceStub(ch)

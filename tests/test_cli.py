@@ -70,8 +70,7 @@ def test_bad_corpus_lines_and_factories_are_clear_errors(tmp_path):
 
 
 def test_a_corrupted_build_fails_at_load_naming_the_file(built, tiny_embedder):
-    from server.backends.device import Device
-    from server.core.search import SearchConfig, SearchCore
+    from conftest import make_core
     from server.errors import IndexCorruptError
     import shutil
 
@@ -81,6 +80,6 @@ def test_a_corrupted_build_fails_at_load_naming_the_file(built, tiny_embedder):
     alias = json.loads((copy / "cran" / "ALIAS").read_text())
     target = copy / "cran" / "builds" / alias["live"] / "shard-001" / "dense.faiss"
     target.write_bytes(target.read_bytes()[:-100])
-    core = SearchCore(SearchConfig(data_dir=copy), None, None, Device("cpu"))
+    core = make_core(copy)
     with pytest.raises(IndexCorruptError, match=str(target)):
         core.load()

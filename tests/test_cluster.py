@@ -50,7 +50,7 @@ def hits(resp):
 def test_three_shards_two_replicas_equal_the_single_process_result(cluster, three_shard_build,
                                                                    tiny_embedder):
     router, _ = cluster
-    embedded = start_core_server(three_shard_build, tiny_embedder, collections=["cran3"])
+    embedded = start_core_server(three_shard_build, tiny_embedder, storage={"collection": ["cran3"]})
     try:
         remote, local = stub_for(router.address), stub_for(embedded.address)
         for q in QUERIES:
@@ -159,7 +159,7 @@ def test_a_hung_replica_is_hedged_around_within_the_deadline(faulty_pair, tiny_e
             resp = stub.Search(pb.SearchRequest(collection="cran1", text=q, top_k=5), timeout=3)
             latencies.append(time.perf_counter() - t0)
             assert len(resp.hits) == 5
-        replica_set = router.core.collections["cran1"].shards[0]
+        replica_set = router.core.registry.get("cran1").shards[0]
         assert replica_set.stats["hedges"] >= 1
         assert replica_set.stats["hedges_won"] >= 1
         assert max(latencies) < 2.0  # hedged after <= 50 ms, never waited for the hung replica
@@ -187,7 +187,7 @@ def test_overload_is_shed_with_resource_exhausted(faulty_pair, tiny_embedder):
     slow_a, slow_b = faulty_pair("--inject-delay-prob", "1.0", "--inject-delay-ms", "400",
                                  flags_b=("--inject-delay-prob", "1.0", "--inject-delay-ms", "400"))
     router = start_router(tiny_embedder, "cran1", [[slow_a.address, slow_b.address]],
-                          HedgePolicy(enabled=False), max_inflight=2)
+                          HedgePolicy(enabled=False), listen={"max_inflight": 2})
     try:
         stub = stub_for(router.address)
         codes = []
@@ -225,7 +225,7 @@ def test_failing_replica_is_retried_on_the_next_one(faulty_pair, tiny_embedder):
         for q in QUERIES:
             assert len(stub.Search(pb.SearchRequest(collection="cran1", text=q, top_k=5),
                                    timeout=10).hits) == 5
-        assert router.core.collections["cran1"].shards[0].stats["retries"] >= 1
+        assert router.core.registry.get("cran1").shards[0].stats["retries"] >= 1
     finally:
         router.stop()
 
@@ -256,9 +256,9 @@ def test_hits_shipped_without_text_are_fetched_and_answers_do_not_change(three_s
     of other hits that fusion puts in its window. With text for 1 hit per list, every answer must
     still equal the embedded default's."""
     procs = [ShardProcess(three_shard_build, "cran3", s) for s in range(3)]
-    router = start_router(tiny_embedder, "cran3", [[p.address] for p in procs], text_top_n=1,
-                          retrieval_cache_size=0)
-    embedded = start_core_server(three_shard_build, tiny_embedder, collections=["cran3"])
+    router = start_router(tiny_embedder, "cran3", [[p.address] for p in procs],
+                          pipeline={"text_top_n": 1, "retrieval_cache_size": 0})
+    embedded = start_core_server(three_shard_build, tiny_embedder, storage={"collection": ["cran3"]})
     try:
         remote, local = stub_for(router.address), stub_for(embedded.address)
         for q in QUERIES[:3]:

@@ -31,7 +31,7 @@ def hybrid_server(tmp_path_factory, tiny_embedder, tiny_reranker_dir):
     data = tmp_path_factory.mktemp("hybrid")
     publish_build(data, "h", docs, tiny_embedder, "HNSW16,Flat", shards=3)
     reranker = CrossEncoder(tiny_reranker_dir, Device("cpu"))
-    srv = start_core_server(data, tiny_embedder, reranker, rerank_cap=50)
+    srv = start_core_server(data, tiny_embedder, reranker, models={"rerank_cap": 50})
     yield srv, reranker
     srv.stop()
 

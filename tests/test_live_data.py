@@ -13,7 +13,7 @@ import pytest
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import _CHILDREN, REPO, live_row, publish_build, start_core_server
+from conftest import _CHILDREN, REPO, live_row, publish_build, shards_of, start_core_server
 
 APPLIED, NOOP = pb.WriteResponse.APPLIED, pb.WriteResponse.NOOP_STALE_VERSION
 
@@ -83,8 +83,8 @@ def test_replacing_with_a_shorter_document_leaves_no_orphan_chunk(live):
     assert docs_for(stub, "mkdelta")[0] == ["long-1"]
     from server.core.chunking import shard_of
 
-    shard = srv.core.collections["live"].shards[shard_of("default", "long-1", 2)]
-    live_rows = shard.store._conn().execute(
+    shard = shards_of(srv, "live")[shard_of("default", "long-1", 2)]
+    live_rows = shard.index.store._conn().execute(
         "SELECT count(*) FROM chunks WHERE doc_id='long-1' AND live=1").fetchone()[0]
     assert live_rows == 1
     hits = [h for h in docs_for(stub, "flow over the plate measured stations", pb.DENSE, 100)[1].hits
@@ -108,7 +108,8 @@ def test_delete_removes_from_both_branches_and_is_idempotent(live):
 def assert_bm25_holds_exactly_the_live_rows(shards):
     """Invariant 7, row by row: what tantivy holds is what the store says is live."""
     for shard in shards:
-        assert sorted(shard.lexical.indexed_rows()) == sorted(shard.store.live_rows().tolist())
+        index = getattr(shard, "index", shard)
+        assert sorted(index.lexical.indexed_rows()) == sorted(index.store.live_rows().tolist())
 
 
 def test_replaced_and_deleted_chunks_leave_the_bm25_index(live):
@@ -127,7 +128,7 @@ def test_replaced_and_deleted_chunks_leave_the_bm25_index(live):
     resp = stub.Search(pb.SearchRequest(collection="live", text="zyxrare", mode=pb.LEXICAL, top_k=5,
                                         lexical_depth=5), timeout=30)
     assert len(resp.hits) == 5 and all(h.doc_id.startswith("rare-") for h in resp.hits)
-    assert_bm25_holds_exactly_the_live_rows(srv.core.collections["live"].shards)
+    assert_bm25_holds_exactly_the_live_rows(shards_of(srv, "live"))
 
 
 @pytest.mark.parametrize("version", [2 ** 63, 2 ** 64 - 1])
@@ -147,16 +148,13 @@ def test_a_version_beyond_int64_is_invalid_argument_and_changes_nothing(live, ve
 
 def test_recovery_repairs_a_bm25_index_that_disagrees_with_the_store(tmp_path, tiny_embedder,
                                                                     cranfield_docs):
-    from concurrent.futures import ThreadPoolExecutor
-
     from server.core.collection import CollectionStore
+    from server.core.engine.index import ShardIndex
     from server.core.metrics import LEXICAL_REPAIRS
-    from server.core.shards import LocalShard
 
     desc = publish_build(tmp_path, "rep", cranfield_docs[:20], tiny_embedder)
     bdir = CollectionStore(tmp_path).build_dir("rep", desc.build_id)
-    pool = ThreadPoolExecutor(2)
-    shard = LocalShard(desc, bdir, 0, None, pool)
+    shard = ShardIndex(desc, bdir, tmp_path / ".state", 0)
     live_rows = sorted(shard.store.live_rows().tolist())
     shard.lexical.delete_rows([live_rows[0]])                                  # a live row missing
     shard.lexical.add_committed([(10 ** 6, "", "stray text", "default", {}, ("@all",))])  # a stray
@@ -164,12 +162,11 @@ def test_recovery_repairs_a_bm25_index_that_disagrees_with_the_store(tmp_path, t
                                 "VALUES ('delete', 'default', 'x', 1, '{}')")  # it took writes
     shard.close()
     before = LEXICAL_REPAIRS.labels("rep", "0")._value.get()
-    shard = LocalShard(desc, bdir, 0, None, pool)
+    shard = ShardIndex(desc, bdir, tmp_path / ".state", 0)
     assert shard.recovered["lexical_repaired"] == 2
     assert LEXICAL_REPAIRS.labels("rep", "0")._value.get() == before + 2
     assert_bm25_holds_exactly_the_live_rows([shard])
     shard.close()
-    pool.shutdown()
 
 
 def test_cache_entries_never_survive_a_write_that_changes_their_answer(live):
@@ -232,8 +229,9 @@ class ServerProcess:
 
 
 def assert_bm25_matches_store_on_disk(data, collection="live"):
-    """After a server recovered and stopped: every shard's BM25 index holds exactly its live rows
-    (the crash tests only looked at served results, which hid dead rows left in BM25)."""
+    """After a server recovered and stopped: every shard's BM25 index (in its state directory)
+    holds exactly its live rows (the crash tests only looked at served results, which hid dead
+    rows left in BM25)."""
     from server.backends.docstore import DocStore
     from server.backends.lexical import LexicalIndex
     from server.core.collection import CollectionStore
@@ -241,7 +239,7 @@ def assert_bm25_matches_store_on_disk(data, collection="live"):
     store = CollectionStore(data)
     build = store.live_build(collection)
     for s in range(store.descriptor(collection, build).shards):
-        sdir = store.build_dir(collection, build) / f"shard-{s:03d}"
+        sdir = data / ".state" / collection / build / f"shard-{s:03d}"
         ds = DocStore(sdir / "docstore.sqlite")
         assert sorted(LexicalIndex.open(sdir / "lexical").indexed_rows()) == sorted(ds.live_rows().tolist())
         ds.close()
@@ -358,7 +356,8 @@ def test_the_audit_reconciles_a_build_that_took_writes_and_crashes(crash_build):
     store = CollectionStore(crash_build)
     build = store.live_build("live")
     out = subprocess.run([sys.executable, "-m", "index_builder.cli", "audit", "--data-dir",
-                          str(crash_build), "--collection", "live", "--build", build],
+                          str(crash_build), "--collection", "live", "--build", build,
+                          "--state-dir", str(crash_build / ".state")],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     recon = store.descriptor("live", build).reconciliation
@@ -372,15 +371,16 @@ def test_the_audit_finds_a_live_row_missing_from_bm25(live_build, live):
     srv, stub = live
     assert upsert(stub, "audit-1", 1, "zyxaudit text").outcome == APPLIED
     data, desc = live_build
-    assert reconcile_build(CollectionStore(data), "live", desc.build_id)["passed"]
+    state = data / ".state"
+    assert reconcile_build(CollectionStore(data), "live", desc.build_id, state)["passed"]
     from server.core.chunking import chunk_id, shard_of
 
-    shard = srv.core.collections["live"].shards[shard_of("default", "audit-1", desc.shards)]
-    shard.lexical.delete_rows([live_row(shard, chunk_id("default", "audit-1", 0))])
-    recon = reconcile_build(CollectionStore(data), "live", desc.build_id)
+    shard = shards_of(srv, "live")[shard_of("default", "audit-1", desc.shards)]
+    shard.index.lexical.delete_rows([live_row(shard, chunk_id("default", "audit-1", 0))])
+    recon = reconcile_build(CollectionStore(data), "live", desc.build_id, state)
     assert not recon["passed"] and any("lacks 1 live rows" in m for m in recon["mismatches"])
     assert upsert(stub, "audit-1", 2, "zyxaudit text again").outcome == APPLIED  # repaired on write
-    assert reconcile_build(CollectionStore(data), "live", desc.build_id)["passed"]
+    assert reconcile_build(CollectionStore(data), "live", desc.build_id, state)["passed"]
 
 
 def test_a_row_fetched_after_its_document_was_replaced_is_dropped_not_mixed(live):
@@ -388,14 +388,17 @@ def test_a_row_fetched_after_its_document_was_replaced_is_dropped_not_mixed(live
     must not come back with the new version's text (one ranking, one document version)."""
     from server.core.chunking import chunk_id, shard_of
 
+    from server.core.types import FetchRequest
+
     srv, stub = live
     upsert(stub, "mix-1", 1, "zyxtheta first version")
-    coll = srv.core.collections["live"]
+    coll = srv.core.registry.get("live")
     shard = coll.shards[shard_of("default", "mix-1", coll.desc.shards)]
     row = live_row(shard, chunk_id("default", "mix-1", 0))
-    assert len(shard.fetch_chunks_sync(coll.desc.build_id, "default", (), [row])) == 1
+    fetch = FetchRequest(coll.desc.build_id, "default", (), (row,))
+    assert len(shard.index.fetch(fetch)) == 1
     upsert(stub, "mix-1", 2, "zyxtheta second version")
-    assert shard.fetch_chunks_sync(coll.desc.build_id, "default", (), [row]) == []
+    assert shard.index.fetch(fetch) == []
 
 
 def test_a_killed_compaction_leaves_no_staging_directory_after_the_next_start(crash_build,

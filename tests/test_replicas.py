@@ -17,7 +17,7 @@ class Replica:
         self.address, self.behaviour = name, behaviour
         self.calls, self.cancelled = 0, 0
 
-    async def search(self, query, timeout=None):
+    async def search(self, queries, timeout=None):
         self.calls += 1
         if self.behaviour == "slow":
             try:
@@ -27,10 +27,10 @@ class Replica:
                 raise
         if isinstance(self.behaviour, Exception):
             raise self.behaviour
-        return ShardResult(0, "v1", [], [], 0.0, 0.0)
+        return [ShardResult(0, "v1", [], [], 0.0, 0.0) for _ in queries]
 
 
-Q = ShardQuery("b", "t", None, "m", "text", 10, 10)
+Q = [ShardQuery("b", "t", None, "m", "text", 10, 10)]
 FAST_HEDGE = HedgePolicy(hedge_min_ms=1, hedge_max_ms=5, hedge_budget=1.0)
 
 
@@ -49,7 +49,7 @@ def test_invalid_argument_fails_fast_and_is_not_retried():
 def test_unavailable_is_retried_on_the_next_replica():
     a, b = Replica("a", Unavailable("down")), Replica("b")
     rs = ReplicaSet(0, [a, b], HedgePolicy(enabled=False))
-    assert run(rs.search(Q, 5)).corpus_version == "v1"
+    assert run(rs.search(Q, 5))[0].corpus_version == "v1"
     assert (a.calls, b.calls) == (1, 1) and rs.stats["retries"] == 1
 
 
@@ -64,7 +64,7 @@ def test_a_slow_replica_is_hedged_and_the_loser_cancelled():
     slow, fast = Replica("slow", "slow"), Replica("fast")
     rs = ReplicaSet(0, [slow, fast], FAST_HEDGE)
     rs._rr = iter(range(0, 10 ** 6, 2))  # ties go to replica 0 (the slow one) first
-    assert run(rs.search(Q, 5)).corpus_version == "v1"
+    assert run(rs.search(Q, 5))[0].corpus_version == "v1"
     assert slow.calls == 1 and fast.calls == 1
     assert slow.cancelled == 1 and rs.stats["hedges"] == 1 and rs.stats["hedges_won"] == 1
 
@@ -83,13 +83,13 @@ def test_least_outstanding_replica_is_picked_first():
     a, b = Replica("a"), Replica("b")
     rs = ReplicaSet(0, [a, b], HedgePolicy(enabled=False))
     rs.outstanding = [3, 0]
-    run(rs.search(Q, 5))
+    run(rs.search(Q, 5))  # (outstanding + 1) x latency: 4 x 1 against 1 x 1
     assert (a.calls, b.calls) == (0, 1)
 
 
 def test_candidates_from_another_corpus_version_are_never_fused(small_collection, tiny_embedder):
-    from server.backends.device import Device
-    from server.core.search import LoadedCollection, SearchConfig, SearchCore
+    from conftest import make_core
+    from server.core.registry import LoadedCollection
     from server.core.types import SearchQuery
 
     data, desc = small_collection
@@ -99,10 +99,14 @@ def test_candidates_from_another_corpus_version_are_never_fused(small_collection
             super().__init__(f"r{shard_no}")
             self.shard_no = shard_no
 
-        async def search(self, query, timeout=None):
-            return ShardResult(self.shard_no, "another-version", [], [], 0.0, 0.0)
+        @property
+        def cache_version(self):
+            return None
 
-    core = SearchCore(SearchConfig(data_dir=data), tiny_embedder, None, Device("cpu"))
+        async def search(self, queries, timeout=None):
+            return [ShardResult(self.shard_no, "another-version", [], [], 0.0, 0.0) for _ in queries]
+
+    core = make_core(data, tiny_embedder)
     core.attach(LoadedCollection(desc, [OtherVersion(i) for i in range(desc.shards)]))
 
     async def go():

@@ -207,4 +207,6 @@ def test_shard_threads_search_with_one_openmp_thread(server):
     cores with OpenMP workers (3.3x slower per search, bench/bench_service_overhead.py)."""
     import faiss
 
-    assert server.core.executor.submit(faiss.omp_get_max_threads).result(10) == 1
+    shard = server.core.registry.get("cran").shards[0]
+    assert shard._device.submit(faiss.omp_get_max_threads).result(10) == 1   # batched searches
+    assert server.core.pools.cpu.submit(faiss.omp_get_max_threads).result(10) == 1  # BM25 etc.

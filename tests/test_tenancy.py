@@ -12,7 +12,7 @@ import pytest
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import REPO, ServerThread, live_row
+from conftest import REPO, live_row, shards_of, start_core_server
 
 SENTINELS = ["zqxcanaryalpha", "CANARY-7F3A-SECRET", "vexillumcanarium"]
 TOKENS = {"big": "tok-big", "small": "tok-small", "acme": "tok-acme", "acme-hr": "tok-acme-hr",
@@ -68,13 +68,9 @@ def tenant_build(tmp_path_factory, tiny_embedder, cranfield_docs):
 
 
 def make_server(data, embedder, tls=None):
-    from server.backends.device import Device
-    from server.core.search import SearchConfig, SearchCore
     from server.transport.auth import TokenFileAuth
 
-    core = SearchCore(SearchConfig(data_dir=data), embedder, None, Device("cpu"))
-    core.load()
-    return ServerThread(core, TokenFileAuth(data / "tokens.json"), tls=tls).start()
+    return start_core_server(data, embedder, auth=TokenFileAuth(data / "tokens.json"), tls=tls)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +173,7 @@ def test_tiny_tenant_dense_results_equal_exact_restricted_search(stub, tiny_embe
     bdir = CollectionStore(data).build_dir("mt", desc.build_id)
     for s in range(desc.shards):
         vecs = np.load(bdir / f"shard-{s:03d}" / "vectors.npy")
-        store = DocStore(bdir / f"shard-{s:03d}" / "docstore.sqlite")
+        store = DocStore(bdir / f"shard-{s:03d}" / "docstore.sqlite", read_only=True)
         mask = store.allowed_mask(len(vecs), "small")
         for row in np.flatnonzero(mask):
             scored.append((float(vecs[row] @ qv), store.fetch([int(row)])[int(row)].chunk_id))
@@ -194,8 +190,8 @@ def test_acl_scopes_restrict_inside_the_tenant(stub):
 
 
 def test_a_large_tenant_is_served_from_its_dedicated_index(mt_server, stub):
-    shards = mt_server.core.collections["mt"].shards
-    assert all("big" in s.tenant_dense for s in shards)
+    shards = shards_of(mt_server, "mt")
+    assert all("big" in s.index.tenant_dense for s in shards)
     resp = search(stub, "big", text="supersonic flow", mode=pb.DENSE, top_k=20)
     assert len(resp.hits) == 20 and all(h.doc_id.startswith("big-") for h in resp.hits)
 
@@ -234,22 +230,27 @@ def test_tls_listener_serves_tls_clients_only(tenant_build, tiny_embedder, tmp_p
 
 
 def test_fetching_chunks_by_id_is_restricted_to_the_callers_tenant_and_scopes(mt_server, stub):
+    from server.core.types import FetchRequest
+    from server.errors import FailedPrecondition
+
     big = search(stub, "big", text="supersonic flow", mode=pb.LEXICAL, top_k=1).hits[0]
     hr = [h for h in search(stub, "acme-hr", text="personnel salary review", mode=pb.LEXICAL,
                             top_k=40).hits if int(h.doc_id.split("-")[1]) % 2 == 1][0]
-    coll = mt_server.core.collections["mt"]
+    coll = mt_server.core.registry.get("mt")
     shard_big, shard_hr = coll.shards[big.shard], coll.shards[hr.shard]
     build = coll.desc.build_id
     big_row = live_row(shard_big, big.chunk_id)
     hr_row = live_row(shard_hr, hr.chunk_id)
-    assert [c.chunk_id for c in shard_big.fetch_chunks_sync(build, "big", (), [big_row])] == [big.chunk_id]
-    assert shard_big.fetch_chunks_sync(build, "small", (), [big_row]) == []
-    assert shard_hr.fetch_chunks_sync(build, "acme", (), [hr_row]) == []
-    assert len(shard_hr.fetch_chunks_sync(build, "acme", ("hr",), [hr_row])) == 1
-    from server.errors import FailedPrecondition
 
+    def fetch(shard, tenant, scopes, row, build_id=build):
+        return shard.index.fetch(FetchRequest(build_id, tenant, scopes, (row,)))
+
+    assert [c.chunk_id for c in fetch(shard_big, "big", (), big_row)] == [big.chunk_id]
+    assert fetch(shard_big, "small", (), big_row) == []
+    assert fetch(shard_hr, "acme", (), hr_row) == []
+    assert len(fetch(shard_hr, "acme", ("hr",), hr_row)) == 1
     with pytest.raises(FailedPrecondition, match="serves build"):
-        shard_big.fetch_chunks_sync("another-build", "big", (), [big_row])
+        fetch(shard_big, "big", (), big_row, "another-build")
 
 
 # --- these write to the shared collection: keep them last in the module --------------------------
@@ -291,7 +292,7 @@ def test_admin_sees_its_own_tenant_and_only_operators_act_on_the_collection(mt_s
     for d in (own, listed):
         assert not any(t in d.descriptor_json for t in others), d.descriptor_json
         assert list(json.loads(d.descriptor_json)["tenants"]) == ["acme"]
-    acme_chunks = sum(s.store.counts("acme")["chunks"] for s in mt_server.core.collections["mt"].shards)
+    acme_chunks = sum(s.index.store.counts("acme")["chunks"] for s in shards_of(mt_server, "mt"))
     assert own.chunks == acme_chunks > 0
     stats = admin.CollectionStats(pb.CollectionStatsRequest(collection="mt"), metadata=as_("acme-admin"),
                                   timeout=10)

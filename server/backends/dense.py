@@ -73,6 +73,7 @@ def _search_params(index: faiss.Index, knobs: SearchKnobs,
     else:
         base = None
     if isinstance(top, faiss.IndexRefine):
+        # (faiss's wrapper keeps `base` and the selector referenced by the outer object)
         return faiss.IndexRefineSearchParameters(k_factor=float(knobs.k_factor), base_index_params=base)
     return base
 
@@ -86,38 +87,60 @@ def file_sha256(path: Path) -> str:
 
 
 class DenseIndex:
-    """A trained faiss index plus the row -> chunk id map of one shard."""
+    """A trained faiss index plus the row -> chunk id map of one shard.
+
+    On a GPU host `index` is the device copy (searched for unrestricted batches) and `cpu_index`
+    the host copy, kept for searches with a selector (faiss GPU indexes take none) and for
+    writing; both receive every add. Search parameters are built once per knob set and selector
+    (creating SWIG parameter objects on every call cost more than a small search)."""
 
     def __init__(self, index: faiss.Index, row_ids: np.ndarray, metric: str,
-                 knobs: SearchKnobs = SearchKnobs(), placement: str = "cpu"):
+                 knobs: SearchKnobs = SearchKnobs(), placement: str = "cpu",
+                 cpu_index: Optional[faiss.Index] = None):
         if index.ntotal != len(row_ids):
             raise ValueError(f"index has {index.ntotal} vectors but {len(row_ids)} row ids")
         self.index = index
+        self.cpu_index = cpu_index if cpu_index is not None else index
         self.row_ids = np.ascontiguousarray(row_ids, dtype=np.int64)
         self.metric = metric
         self.knobs = knobs
         self.placement = placement
         self.dim = index.d
+        self._params: dict = {}
 
     @property
     def ntotal(self) -> int:
-        return int(self.index.ntotal)
+        return int(self.cpu_index.ntotal)
+
+    def params(self, knobs: SearchKnobs, allowed: Optional["RowFilter"] = None):
+        """faiss SearchParameters for these knobs and restriction, made once: unrestricted ones
+        are cached here, restricted ones on the RowFilter (which lives until the next write)."""
+        cache = self._params if allowed is None else allowed.params
+        key = (id(self), knobs)
+        if key not in cache:
+            cache[key] = _search_params(self.cpu_index, knobs, allowed.selector if allowed else None)
+        return cache[key]
 
     def search(self, queries: np.ndarray, k: int, allowed: Optional["RowFilter"] = None,
                knobs: Optional[SearchKnobs] = None) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k rows for each query. Returns (scores, rows), higher score is better, row -1 = none.
+        """Top-k rows for each query (one batched faiss call). Returns (scores, rows), higher
+        score is better, row -1 = none.
 
         `allowed` restricts the search itself (faiss IDSelector), so a small allowed set still
         yields k results when k rows are allowed.
         """
         queries = np.ascontiguousarray(queries, dtype=np.float32)
-        k = max(1, min(k, self.ntotal)) if self.ntotal else 1
-        sel = allowed.selector if allowed is not None else None
-        params = _search_params(self.index, knobs or self.knobs, sel)
-        if self.ntotal == 0:
-            n = queries.shape[0]
-            return np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64)
-        scores, rows = self.index.search(queries, k, params=params)
+        n = self.ntotal
+        k = max(1, min(k, n)) if n else 1
+        if n == 0:
+            nq = queries.shape[0]
+            return np.full((nq, k), -np.inf, np.float32), np.full((nq, k), -1, np.int64)
+        knobs = knobs or self.knobs
+        if self.placement != "cpu" and allowed is None:  # GPU indexes take no selector
+            _set_gpu_knobs(self.index, knobs)
+            scores, rows = self.index.search(queries, k)
+        else:
+            scores, rows = self.cpu_index.search(queries, k, params=self.params(knobs, allowed))
         if self.metric == "l2":
             scores = -scores
         scores[rows < 0] = -np.inf
@@ -126,7 +149,10 @@ class DenseIndex:
     def add(self, vectors: np.ndarray, chunk_ids: np.ndarray) -> int:
         """Append rows (streaming upserts); returns the first new row number."""
         first = self.ntotal
-        self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
+        x = np.ascontiguousarray(vectors, dtype=np.float32)
+        self.cpu_index.add(x)
+        if self.index is not self.cpu_index:
+            self.index.add(x)
         self.row_ids = np.concatenate([self.row_ids, np.asarray(chunk_ids, dtype=np.int64)])
         return first
 
@@ -143,8 +169,7 @@ class DenseIndex:
         files = {}
         index_path, rows_path = directory / "dense.faiss", directory / "rows.npy"
         tmp = index_path.with_suffix(".faiss.tmp")
-        faiss.write_index(faiss.index_gpu_to_cpu(self.index) if self.placement != "cpu" else self.index,
-                          str(tmp))
+        faiss.write_index(self.cpu_index, str(tmp))
         tmp.replace(index_path)
         tmp_rows = directory / "rows.tmp.npy"
         np.save(tmp_rows, self.row_ids)
@@ -181,10 +206,10 @@ class DenseIndex:
         if index.ntotal != len(row_ids):
             raise IndexCorruptError(
                 f"{index_path} holds {index.ntotal} vectors but {rows_path} maps {len(row_ids)} rows")
-        placement = "cpu"
+        placement, cpu_index = "cpu", index
         if device is not None:
             index, placement = device.place_index(index, shard)
-        return cls(index, row_ids, metric, knobs, placement)
+        return cls(index, row_ids, metric, knobs, placement, cpu_index)
 
 
 class RowFilter:
@@ -198,6 +223,7 @@ class RowFilter:
         # "not allowed" instead of reading past the buffer
         self.selector = faiss.IDSelectorBitmap(len(self._bits), faiss.swig_ptr(self._bits))
         self._rows: Optional[np.ndarray] = None
+        self.params: dict = {}  # search parameters built around this selector, per index and knobs
 
     @property
     def rows(self) -> np.ndarray:
@@ -206,24 +232,44 @@ class RowFilter:
         return self._rows
 
 
-def exact_search(vectors, rows: np.ndarray, query: np.ndarray, k: int,
-                 metric: str) -> tuple[np.ndarray, np.ndarray]:
-    """Brute force over the given rows only: exact, and a full page whenever k rows are allowed.
+def exact_search(vectors, rows: np.ndarray, queries: np.ndarray, k: int,
+                 metric: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Brute force over the given rows only, for a batch of queries: exact, and a full page
+    whenever k rows are allowed. Returns (scores, rows) per query, best first.
 
     Used for small allowed sets (tiny tenants, selective filters), where graph or inverted-list
     search with a selector can miss results, and where a scan of the few rows is cheaper anyway.
     """
+    queries = np.atleast_2d(np.asarray(queries, dtype=np.float32))
     if len(rows) == 0:
-        return np.zeros(0, np.float32), np.zeros(0, np.int64)
+        return [(np.zeros(0, np.float32), np.zeros(0, np.int64)) for _ in range(len(queries))]
     block = np.asarray(vectors[rows], dtype=np.float32)
-    if metric == "l2":
-        scores = -((block - query[None, :]) ** 2).sum(1)
-    else:
-        scores = block @ query
+    scores = block @ queries.T                       # (rows, queries)
+    if metric == "l2":  # -|b - q|^2 = 2 b.q - |b|^2 - |q|^2
+        scores = 2 * scores - (block * block).sum(1)[:, None] - (queries * queries).sum(1)[None, :]
     k = min(k, len(rows))
-    top = np.argpartition(-scores, k - 1)[:k]
-    top = top[np.argsort(-scores[top], kind="stable")]
-    return scores[top].astype(np.float32), rows[top].astype(np.int64)
+    out = []
+    for j in range(queries.shape[0]):
+        col = scores[:, j]
+        top = np.argpartition(-col, k - 1)[:k] if k < len(col) else np.arange(len(col))
+        top = top[np.argsort(-col[top], kind="stable")]
+        out.append((col[top].astype(np.float32), rows[top].astype(np.int64)))
+    return out
+
+
+def _set_gpu_knobs(index, knobs: SearchKnobs) -> None:
+    """GPU indexes take their knobs as attributes, not SearchParameters."""
+    if hasattr(index, "nprobe"):
+        index.nprobe = knobs.nprobe
+
+
+def _skip_polysemous_training(index: faiss.Index) -> None:
+    """PQ codes are searched by asymmetric distance here, never by polysemous Hamming filtering,
+    so the polysemous training faiss runs by default (most of an IVF-PQ build's time) is skipped."""
+    inner = _unwrap(index)
+    for candidate in (inner, getattr(inner, "pq", None)):
+        if candidate is not None and hasattr(candidate, "do_polysemous_training"):
+            candidate.do_polysemous_training = False
 
 
 def build_dense(factory: str, dim: int, metric: str, vectors: Callable[[], "np.ndarray"],
@@ -238,6 +284,7 @@ def build_dense(factory: str, dim: int, metric: str, vectors: Callable[[], "np.n
         if isinstance(inner, faiss.IndexIVF) and len(sample) < inner.nlist:
             raise ValueError(f"{factory}: {len(sample)} training vectors for {inner.nlist} lists; "
                              f"use fewer lists (e.g. IVF{max(1, len(sample) // 39)}) for this corpus")
+        _skip_polysemous_training(index)
         index.train(np.ascontiguousarray(sample, dtype=np.float32))
     x = vectors()
     for start in range(0, len(x), block):

@@ -4,10 +4,15 @@ It is the authority for which rows are visible: the dense branch searches only r
 in a mask computed here (live, tenant, ACL scopes, metadata filters), and every hit is re-checked
 against it. A chunk's ACL is a list of scopes; PUBLIC_ACL marks a chunk every caller of its tenant
 may read. A caller sees a chunk when the ACL shares a scope with the caller's scopes + PUBLIC_ACL.
+
+A build writes its store once (read-only afterwards); a serving shard works on a copy of it in its
+state directory (server/core/engine/state.py), where streaming writes land.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import sqlite3
 import threading
@@ -33,6 +38,7 @@ CREATE TABLE IF NOT EXISTS chunks (
     tenant       TEXT    NOT NULL,
     acl          TEXT    NOT NULL DEFAULT '["@all"]',  -- JSON list of scopes
     metadata     TEXT    NOT NULL DEFAULT '{}',
+    text_hash    INTEGER NOT NULL DEFAULT 0,  -- fingerprint of the normalised text (de-duplication)
     live         INTEGER NOT NULL DEFAULT 1,  -- 0 pending, 1 live, 2 dead (replaced/deleted), 3 orphan
     purged       INTEGER NOT NULL DEFAULT 0,  -- 1 once a dead/orphan row left the lexical index
     vector       BLOB                         -- float32 vector of rows added after the build
@@ -50,23 +56,40 @@ CREATE TABLE IF NOT EXISTS documents (
     ingested_at REAL,
     PRIMARY KEY (tenant, doc_id)
 );
--- every applied write, in order: replayed into a new build before its alias flip
+-- every applied write, in order: replayed into a new build before its alias flip. log_seq is its
+-- position in the replicated write log (0 in the embedded default).
 CREATE TABLE IF NOT EXISTS writes (
-    seq     INTEGER PRIMARY KEY AUTOINCREMENT,
-    op      TEXT NOT NULL,                -- upsert | delete
-    tenant  TEXT NOT NULL,
-    doc_id  TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    body    TEXT NOT NULL                 -- JSON: tenant, title, text, metadata, acl, times
+    seq      INTEGER PRIMARY KEY AUTOINCREMENT,
+    log_seq  INTEGER NOT NULL DEFAULT 0,
+    op       TEXT NOT NULL,               -- upsert | delete
+    tenant   TEXT NOT NULL,
+    doc_id   TEXT NOT NULL,
+    version  INTEGER NOT NULL,
+    body     TEXT NOT NULL,               -- JSON: title, text, metadata, acl, times
+    chunks   TEXT NOT NULL DEFAULT '[]',  -- JSON: [[index, start, end, text], ...]
+    vectors  BLOB,                        -- float32 (chunks x dim): a replay needs no model
+    model_id TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 PENDING, LIVE, DEAD, ORPHAN = 0, 1, 2, 3
-SCHEMA_VERSION = "2"  # 2: documents keyed by (tenant, doc_id)
+STATE_NAMES = {PENDING: "pending", LIVE: "live", DEAD: "dead", ORPHAN: "orphan"}
+SCHEMA_VERSION = "3"  # 2: documents keyed by (tenant, doc_id); 3: text_hash, log_seq, replayable writes
 
 FILTER_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 PUBLIC_ACL = "@all"
+PUBLIC_ACL_JSON = json.dumps([PUBLIC_ACL])
+_SPACE = re.compile(r"\s+")
+
+
+def chunk_fingerprint(title: str, text: str) -> int:
+    """63-bit fingerprint of what a reader sees of a chunk (its document's title and its text),
+    whitespace and case folded: equal passages (the same boilerplate in two documents) match, so
+    de-duplication at query time is a set lookup instead of hashing every hit's text. The title
+    is part of it: CACM has hundreds of documents whose text is only their authors' names."""
+    norm = (_SPACE.sub(" ", title).strip() + "\x00" + _SPACE.sub(" ", text).strip()).lower().encode()
+    return int.from_bytes(hashlib.blake2b(norm, digest_size=8).digest(), "big") & ((1 << 63) - 1)
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,48 @@ class ChunkRecord:
     tenant: str
     metadata: dict
     acl: tuple = (PUBLIC_ACL,)
+    text_hash: int = 0
+
+
+@dataclass
+class LoggedWrite:
+    """A write as the store logged it: enough to apply it again to another build."""
+
+    seq: int
+    log_seq: int
+    op: str
+    tenant: str
+    doc_id: str
+    version: int
+    body: dict
+    chunks: list          # [(index, start, end, text)]
+    vectors: Optional[np.ndarray]
+    model_id: str
+
+
+@dataclass
+class FlipEntry:
+    """One write of a group's visibility flip."""
+
+    op: str
+    tenant: str
+    doc_id: str
+    version: int
+    new_rows: Sequence[int]
+    body: dict
+    chunks: list
+    vectors: Optional[np.ndarray]
+    model_id: str
+    log_seq: int = 0
+
+
+def read_only_uri(path: Path) -> str:
+    """Open a store for reading only. On a read-only volume SQLite cannot create the WAL index
+    (-shm), so the file is opened as immutable (a published build never changes); elsewhere a
+    plain read-only open also sees a WAL that was not checkpointed."""
+    path = Path(path)
+    immutable = "&immutable=1" if not os.access(path.parent, os.W_OK) else ""
+    return f"file:{path}?mode=ro{immutable}"
 
 
 def check_filter_key(key: str) -> str:
@@ -90,12 +155,26 @@ def check_filter_key(key: str) -> str:
     return key
 
 
+_RECORD_COLUMNS = ("row, chunk_id, doc_id, chunk_index, start_offset, end_offset, title, text, "
+                   "tenant, metadata, acl, text_hash")
+
+
+def _record(r) -> ChunkRecord:
+    return ChunkRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], json.loads(r[9]),
+                       tuple(json.loads(r[10])), r[11])
+
+
 class DocStore:
-    def __init__(self, path: Path, create: bool = False):
-        self.path = path
-        if not create and not path.is_file():
-            raise IndexCorruptError(f"missing document store {path}")
+    """One SQLite database; a connection per thread (sqlite3 objects are not shared)."""
+
+    def __init__(self, path: Path, create: bool = False, read_only: bool = False):
+        self.path = Path(path)
+        self.read_only = read_only
+        if not create and not self.path.is_file():
+            raise IndexCorruptError(f"missing document store {self.path}")
         self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
         conn = self._conn()
         if create:
             conn.executescript(SCHEMA)
@@ -105,104 +184,133 @@ class DocStore:
                 conn.execute("SELECT count(*) FROM chunks").fetchone()
                 version = self.get_meta("schema_version")
             except sqlite3.DatabaseError as exc:
-                raise IndexCorruptError(f"document store {path} is unreadable: {exc}") from exc
+                raise IndexCorruptError(f"document store {self.path} is unreadable: {exc}") from exc
             if version != SCHEMA_VERSION:
                 raise FailedPrecondition(
-                    f"document store {path} has schema {version or '1'}; this release reads "
-                    f"schema {SCHEMA_VERSION} (documents keyed by tenant and id): rebuild the "
-                    "collection with index-builder build")
+                    f"document store {self.path} has schema {version or '1'}; this release reads "
+                    f"schema {SCHEMA_VERSION}: rebuild the collection with index-builder build")
 
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = sqlite3.connect(str(self.path), timeout=30, isolation_level=None,
-                                   check_same_thread=True)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
+            if self.read_only:  # a published build, possibly on a read-only volume
+                conn = sqlite3.connect(read_only_uri(self.path), uri=True, timeout=30,
+                                       isolation_level=None, check_same_thread=True)
+            else:
+                conn = sqlite3.connect(str(self.path), timeout=30, isolation_level=None,
+                                       check_same_thread=True)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")  # WAL: durable across a process crash
             self._local.conn = conn
+            with self._all_lock:
+                self._all.append(conn)
         return conn
 
-    # --- writes (builder) --------------------------------------------------------------------
-    def insert_chunks(self, records: Iterable[ChunkRecord]) -> None:
+    def _transaction(self, fn, immediate: bool = True):
         conn = self._conn()
-        conn.execute("BEGIN")
+        conn.execute("BEGIN IMMEDIATE" if immediate else "BEGIN")
         try:
-            conn.executemany(
-                "INSERT INTO chunks(row, chunk_id, doc_id, chunk_index, start_offset, end_offset, "
-                "title, text, tenant, acl, metadata, live) VALUES (?,?,?,?,?,?,?,?,?,?,?,1)",
-                [(r.row, r.chunk_id, r.doc_id, r.chunk_index, r.start_offset, r.end_offset, r.title,
-                  r.text, r.tenant, json.dumps(sorted(r.acl)), json.dumps(r.metadata, sort_keys=True))
-                 for r in records])
+            out = fn(conn)
             conn.execute("COMMIT")
+            return out
         except BaseException:
             conn.execute("ROLLBACK")
             raise
 
-    # --- streaming writes (server/core/shards.py LocalShard.apply_write) ----------------------
+    # --- writes (builder) --------------------------------------------------------------------
+    def insert_chunks(self, records: Iterable[ChunkRecord]) -> None:
+        self._transaction(lambda conn: conn.executemany(
+            "INSERT INTO chunks(row, chunk_id, doc_id, chunk_index, start_offset, end_offset, "
+            "title, text, tenant, acl, metadata, text_hash, live) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,1)",
+            [(r.row, r.chunk_id, r.doc_id, r.chunk_index, r.start_offset, r.end_offset, r.title,
+              r.text, r.tenant, json.dumps(sorted(r.acl)), json.dumps(r.metadata, sort_keys=True),
+              r.text_hash or chunk_fingerprint(r.title, r.text)) for r in records]), immediate=False)
+
+    def insert_documents(self, docs: Iterable[tuple[str, str, int, int]]) -> None:
+        """(tenant, doc_id, version, live) rows; live=0 keeps a deletion's tombstone."""
+        self._transaction(lambda conn: conn.executemany(
+            "INSERT OR REPLACE INTO documents(tenant, doc_id, version, live) VALUES (?,?,?,?)",
+            list(docs)), immediate=False)
+
+    # --- streaming writes (server/core/engine/index.py ShardIndex.apply_writes) --------------
+    def documents_of(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], tuple[int, int]]:
+        """(version, live) of these (tenant, doc_id) keys, tombstones included."""
+        out = {}
+        conn = self._conn()
+        for tenant, doc_id in keys:
+            row = conn.execute("SELECT version, live FROM documents WHERE tenant=? AND doc_id=?",
+                               (tenant, doc_id)).fetchone()
+            if row is not None:
+                out[(tenant, doc_id)] = row
+        return out
+
     def document(self, tenant: str, doc_id: str) -> Optional[tuple[int, int]]:
-        """(version, live) of a tenant's document, tombstones included; None if never seen."""
-        return self._conn().execute("SELECT version, live FROM documents WHERE tenant=? AND doc_id=?",
-                                    (tenant, doc_id)).fetchone()
+        return self.documents_of([(tenant, doc_id)]).get((tenant, doc_id))
 
     def next_row(self) -> int:
         return (self._conn().execute("SELECT max(row) FROM chunks").fetchone()[0] or -1) + 1
 
-    def insert_pending(self, records: Sequence[ChunkRecord], version: int,
+    def insert_pending(self, records: Sequence[ChunkRecord], versions: Sequence[int],
                        vectors: np.ndarray) -> None:
-        """Write a new version's chunks, invisible (pending), with their vectors: durable first."""
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            conn.executemany(
-                "INSERT INTO chunks(row, chunk_id, version, doc_id, chunk_index, start_offset, "
-                "end_offset, title, text, tenant, acl, metadata, live, vector) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,0,?)",
-                [(r.row, r.chunk_id, version, r.doc_id, r.chunk_index, r.start_offset, r.end_offset,
-                  r.title, r.text, r.tenant, json.dumps(sorted(r.acl)),
-                  json.dumps(r.metadata, sort_keys=True),
-                  np.ascontiguousarray(v, dtype=np.float32).tobytes())
-                 for r, v in zip(records, vectors)])
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+        """Write new versions' chunks, invisible (pending), with their vectors: durable first."""
+        self._transaction(lambda conn: conn.executemany(
+            "INSERT INTO chunks(row, chunk_id, version, doc_id, chunk_index, start_offset, "
+            "end_offset, title, text, tenant, acl, metadata, text_hash, live, vector) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,0,?)",
+            [(r.row, r.chunk_id, ver, r.doc_id, r.chunk_index, r.start_offset, r.end_offset,
+              r.title, r.text, r.tenant, json.dumps(sorted(r.acl)),
+              json.dumps(r.metadata, sort_keys=True), r.text_hash,
+              np.ascontiguousarray(v, dtype=np.float32).tobytes())
+             for r, ver, v in zip(records, versions, vectors)]))
 
-    def flip(self, op: str, tenant: str, doc_id: str, version: int, new_rows: Sequence[int],
-             body: dict) -> Optional[list[int]]:
-        """THE visibility change, one transaction: the document's live rows die, `new_rows` go
-        live, the document's version moves, the write is logged and index_version moves.
-        Returns the rows that died, or None when `version` is not newer than the stored one."""
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            cur = conn.execute("SELECT version FROM documents WHERE tenant=? AND doc_id=?",
-                               (tenant, doc_id)).fetchone()
-            if cur is not None and cur[0] >= version:
-                conn.execute("ROLLBACK")
-                return None
-            dead = [r[0] for r in conn.execute(
-                "SELECT row FROM chunks WHERE tenant=? AND doc_id=? AND live=1", (tenant, doc_id))]
-            conn.execute(f"UPDATE chunks SET live={DEAD} WHERE tenant=? AND doc_id=? AND live=1",
-                         (tenant, doc_id))
-            if new_rows:
-                conn.execute(f"UPDATE chunks SET live={LIVE} WHERE row IN "
-                             f"({','.join('?' * len(new_rows))})", list(new_rows))
-            conn.execute("INSERT INTO documents(tenant, doc_id, version, live, source_modified_at, "
-                         "ingested_at) VALUES (?,?,?,?,?,?) ON CONFLICT(tenant, doc_id) DO UPDATE SET "
-                         "version=excluded.version, live=excluded.live, "
-                         "source_modified_at=excluded.source_modified_at, "
-                         "ingested_at=excluded.ingested_at",
-                         (tenant, doc_id, version, 1 if op == "upsert" else 0,
-                          body.get("source_modified_at"), body.get("ingested_at")))
-            conn.execute("INSERT INTO writes(op, tenant, doc_id, version, body) VALUES (?,?,?,?,?)",
-                         (op, tenant, doc_id, version, json.dumps(body)))
-            conn.execute("INSERT INTO meta(key, value) VALUES ('index_version', '1') "
-                         "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
-            conn.execute("COMMIT")
-            return dead
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+    def flip(self, entries: Sequence[FlipEntry], applied_seq: Optional[int] = None
+             ) -> list[Optional[list[tuple[int, bool]]]]:
+        """THE visibility change for a group of writes, one transaction: each document's live rows
+        die, its new rows go live, its version moves, the write is logged; index_version moves
+        once, and the write-log position applied is recorded with them.
+
+        Returns per entry the rows that died, as (row, tenant_public), or None when the entry's
+        version is not newer than the stored one (it changed nothing)."""
+        def run(conn):
+            out = []
+            for e in entries:
+                cur = conn.execute("SELECT version FROM documents WHERE tenant=? AND doc_id=?",
+                                   (e.tenant, e.doc_id)).fetchone()
+                if cur is not None and cur[0] >= e.version:
+                    out.append(None)
+                    continue
+                dead = [(r, acl == PUBLIC_ACL_JSON) for r, acl in conn.execute(
+                    "SELECT row, acl FROM chunks WHERE tenant=? AND doc_id=? AND live=1",
+                    (e.tenant, e.doc_id))]
+                conn.execute(f"UPDATE chunks SET live={DEAD} WHERE tenant=? AND doc_id=? AND live=1",
+                             (e.tenant, e.doc_id))
+                if e.new_rows:
+                    conn.execute(f"UPDATE chunks SET live={LIVE} WHERE row IN "
+                                 f"({','.join('?' * len(e.new_rows))})", list(e.new_rows))
+                conn.execute(
+                    "INSERT INTO documents(tenant, doc_id, version, live, source_modified_at, "
+                    "ingested_at) VALUES (?,?,?,?,?,?) ON CONFLICT(tenant, doc_id) DO UPDATE SET "
+                    "version=excluded.version, live=excluded.live, "
+                    "source_modified_at=excluded.source_modified_at, ingested_at=excluded.ingested_at",
+                    (e.tenant, e.doc_id, e.version, 1 if e.op == "upsert" else 0,
+                     e.body.get("source_modified_at"), e.body.get("ingested_at")))
+                conn.execute(
+                    "INSERT INTO writes(log_seq, op, tenant, doc_id, version, body, chunks, vectors, "
+                    "model_id) VALUES (?,?,?,?,?,?,?,?,?)",
+                    (e.log_seq, e.op, e.tenant, e.doc_id, e.version, json.dumps(e.body),
+                     json.dumps(e.chunks),
+                     None if e.vectors is None else np.ascontiguousarray(e.vectors, np.float32).tobytes(),
+                     e.model_id))
+                out.append(dead)
+            if any(d is not None for d in out):
+                conn.execute("INSERT INTO meta(key, value) VALUES ('index_version', '1') "
+                             "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
+            if applied_seq is not None:
+                conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('applied_seq', ?)",
+                             (str(applied_seq),))
+            return out
+
+        return self._transaction(run)
 
     def orphan_pending(self) -> int:
         """Recovery: pending rows whose flip never happened become orphans (never served)."""
@@ -214,9 +322,11 @@ class DocStore:
             f"SELECT row FROM chunks WHERE live IN ({DEAD},{ORPHAN}) AND purged=0")]
 
     def mark_purged(self, rows: Sequence[int]) -> None:
-        if rows:
-            self._conn().execute(f"UPDATE chunks SET purged=1 WHERE row IN ({','.join('?' * len(rows))})",
-                                 list(rows))
+        rows = list(rows)
+        for start in range(0, len(rows), 900):  # SQLite's bound-parameter limit
+            block = rows[start:start + 900]
+            self._conn().execute(f"UPDATE chunks SET purged=1 WHERE row IN ({','.join('?' * len(block))})",
+                                 block)
 
     def added_vectors(self, first_row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, chunk ids, vectors) of every row from `first_row` on, in row order."""
@@ -225,7 +335,9 @@ class DocStore:
                 "SELECT row, chunk_id, vector FROM chunks WHERE row >= ? ORDER BY row", (first_row,)):
             rows.append(row)
             ids.append(cid)
-            vecs.append(np.frombuffer(blob, dtype=np.float32))
+            vecs.append(np.frombuffer(blob, dtype=np.float32) if blob is not None else None)
+        if any(v is None for v in vecs):
+            raise IndexCorruptError(f"{self.path}: rows added after the build lack their vectors")
         dim = len(vecs[0]) if vecs else 0
         return (np.array(rows, np.int64), np.array(ids, np.int64),
                 np.vstack(vecs) if vecs else np.zeros((0, dim), np.float32))
@@ -234,26 +346,32 @@ class DocStore:
         v = self.get_meta("index_version")
         return int(v) if v else 0
 
-    def write_log(self, after_seq: int = 0) -> list[tuple[int, str, str, str, int, dict]]:
-        """(seq, op, tenant, doc_id, version, body) of every write after `after_seq`, in order."""
-        return [(s, op, t, d, v, json.loads(b)) for s, op, t, d, v, b in self._conn().execute(
-            "SELECT seq, op, tenant, doc_id, version, body FROM writes WHERE seq > ? ORDER BY seq",
-            (after_seq,))]
+    def applied_seq(self) -> int:
+        """The last write-log position applied (replicated writes; 0 in the embedded default)."""
+        v = self.get_meta("applied_seq")
+        return int(v) if v else 0
 
-    def row_states(self) -> dict[str, int]:
-        names = {PENDING: "pending", LIVE: "live", DEAD: "dead", ORPHAN: "orphan"}
-        out = {n: 0 for n in names.values()}
-        for state, n in self._conn().execute("SELECT live, count(*) FROM chunks GROUP BY live"):
-            out[names[state]] = n
+    def write_log(self, after_seq: int = 0, limit: int = 10_000) -> list[LoggedWrite]:
+        """Writes logged after `after_seq` (this store's own numbering), in order."""
+        out = []
+        for s, ls, op, t, d, v, b, c, vec, m in self._conn().execute(
+                "SELECT seq, log_seq, op, tenant, doc_id, version, body, chunks, vectors, model_id "
+                "FROM writes WHERE seq > ? ORDER BY seq LIMIT ?", (after_seq, limit)):
+            chunks = [tuple(x) for x in json.loads(c)]
+            vectors = None
+            if vec is not None:
+                vectors = np.frombuffer(vec, dtype=np.float32).reshape(len(chunks), -1)
+            out.append(LoggedWrite(s, ls, op, t, d, v, json.loads(b), chunks, vectors, m))
         return out
 
-    def insert_documents(self, docs: Iterable[tuple[str, str, int, int]]) -> None:
-        """(tenant, doc_id, version, live) rows; live=0 keeps a deletion's tombstone."""
-        conn = self._conn()
-        conn.execute("BEGIN")
-        conn.executemany("INSERT OR REPLACE INTO documents(tenant, doc_id, version, live) "
-                         "VALUES (?,?,?,?)", list(docs))
-        conn.execute("COMMIT")
+    def last_write_seq(self) -> int:
+        return self._conn().execute("SELECT coalesce(max(seq), 0) FROM writes").fetchone()[0]
+
+    def row_states(self) -> dict[str, int]:
+        out = {n: 0 for n in STATE_NAMES.values()}
+        for state, n in self._conn().execute("SELECT live, count(*) FROM chunks GROUP BY live"):
+            out[STATE_NAMES[state]] = n
+        return out
 
     def documents(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(tenant, doc_id) -> (version, live), tombstones included."""
@@ -262,16 +380,8 @@ class DocStore:
 
     def live_records(self) -> list[ChunkRecord]:
         """Every live chunk, in row order (compaction input)."""
-        out = []
-        for r in self._conn().execute(
-                "SELECT row, chunk_id, doc_id, chunk_index, start_offset, end_offset, title, text, "
-                "tenant, metadata, acl FROM chunks WHERE live=1 ORDER BY row"):
-            out.append(ChunkRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8],
-                                   json.loads(r[9]), tuple(json.loads(r[10]))))
-        return out
-
-    def last_write_seq(self) -> int:
-        return self._conn().execute("SELECT coalesce(max(seq), 0) FROM writes").fetchone()[0]
+        return [_record(r) for r in self._conn().execute(
+            f"SELECT {_RECORD_COLUMNS} FROM chunks WHERE live=1 ORDER BY row")]
 
     def set_meta(self, key: str, value: str) -> None:
         self._conn().execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?,?)", (key, value))
@@ -292,6 +402,16 @@ class DocStore:
                                args).fetchone()[0]
         return {"chunks": chunks, "documents": docs, "tenants": tenants}
 
+    def live_digest(self) -> str:
+        """sha256 over the live rows' (chunk id, tenant, document, version, text fingerprint), in
+        chunk-id order: two replicas that applied the same writes have the same digest."""
+        h = hashlib.sha256()
+        for cid, t, d, v, th in self._conn().execute(
+                "SELECT chunk_id, tenant, doc_id, version, text_hash FROM chunks WHERE live=1 "
+                "ORDER BY chunk_id"):
+            h.update(f"{cid}\x00{t}\x00{d}\x00{v}\x00{th}\n".encode())
+        return h.hexdigest()
+
     def tenants(self) -> dict[str, int]:
         return dict(self._conn().execute(
             "SELECT tenant, count(*) FROM chunks WHERE live=1 GROUP BY tenant").fetchall())
@@ -300,7 +420,7 @@ class DocStore:
         """Per tenant, how many live rows are not tenant-public (their ACL needs a scope)."""
         return dict(self._conn().execute(
             "SELECT tenant, count(*) FROM chunks WHERE live=1 AND acl != ? GROUP BY tenant",
-            (json.dumps([PUBLIC_ACL]),)).fetchall())
+            (PUBLIC_ACL_JSON,)).fetchall())
 
     def allowed_mask(self, nrows: int, tenant: Optional[str], filters: Sequence = (),
                      acl_scopes: Optional[Sequence[str]] = None, live_only: bool = True,
@@ -332,7 +452,7 @@ class DocStore:
                 where.append(f"{path} <= ?")
                 args.append(f.lte)
         rows = self._conn().execute(f"SELECT row FROM chunks WHERE {' AND '.join(where)}", args)
-        mask = np.zeros(nrows - first_row, dtype=bool)
+        mask = np.zeros(max(0, nrows - first_row), dtype=bool)
         idx = np.fromiter((r[0] for r in rows), dtype=np.int64)
         mask[idx - first_row] = True
         return mask
@@ -343,18 +463,22 @@ class DocStore:
 
     def fetch(self, rows: Sequence[int]) -> dict[int, ChunkRecord]:
         """Records of the given rows that are live now (the final visibility check)."""
-        if not rows:
-            return {}
-        out = {}
-        q = ("SELECT row, chunk_id, doc_id, chunk_index, start_offset, end_offset, title, text, "
-             f"tenant, metadata, acl FROM chunks WHERE live=1 AND row IN ({','.join('?' * len(rows))})")
-        for r in self._conn().execute(q, [int(x) for x in rows]):
-            out[r[0]] = ChunkRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8],
-                                    json.loads(r[9]), tuple(json.loads(r[10])))
+        out: dict[int, ChunkRecord] = {}
+        rows = [int(x) for x in rows]
+        conn = self._conn()
+        for start in range(0, len(rows), 900):  # SQLite's bound-parameter limit
+            block = rows[start:start + 900]
+            q = f"SELECT {_RECORD_COLUMNS} FROM chunks WHERE live=1 AND row IN ({','.join('?' * len(block))})"
+            for r in conn.execute(q, block):
+                out[r[0]] = _record(r)
         return out
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
+        with self._all_lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            try:
+                conn.close()
+            except sqlite3.ProgrammingError:  # a connection of another thread: closed at its exit
+                pass
+        self._local = threading.local()

@@ -3,14 +3,19 @@
 Analyzer (documented and measured in docs/ARCHITECTURE.md): tantivy's `simple` tokenizer (splits on
 non-alphanumerics, so identifiers like NACA-TN-1234 become naca/tn/1234 and still match as terms),
 tokens over 40 chars dropped, lowercase, English stopwords removed, Snowball English stemming.
-Queries go through the same analyzer and become a disjunction of term queries over title and text;
-no query syntax is parsed, so user text can never change the query's structure.
+Queries go through the same analyzer and become a disjunction of term queries over title and text,
+a repeated term boosted by 1 + ln(count); no query syntax is parsed, so user text can never change
+the query's structure.
 
 Restriction happens inside the query (MUST clauses on the tenant, the ACL scopes, metadata terms
 and, for range filters, the set of eligible rows), so ranking only ever sees eligible chunks.
 """
 from __future__ import annotations
 
+import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -59,9 +64,20 @@ class LexicalIndex:
         return cls(index, schema)
 
     @classmethod
-    def open(cls, directory: Path) -> "LexicalIndex":
+    def open(cls, directory: Path, read_only: bool = False) -> "LexicalIndex":
+        """Open an index. tantivy takes a lock file in the directory even to read, so a read-only
+        open (an audit of a published build on a read-only volume) reads a private copy."""
+        directory = Path(directory)
         if not (directory / "meta.json").is_file():
             raise IndexCorruptError(f"missing lexical index {directory / 'meta.json'}")
+        if read_only and not os.access(directory, os.W_OK):
+            scratch = Path(tempfile.mkdtemp(prefix="lexical-ro-"))
+            for entry in directory.iterdir():
+                if entry.is_file() and not entry.name.startswith(".tantivy-"):
+                    shutil.copy2(entry, scratch / entry.name)
+            opened = cls.open(scratch)
+            opened._scratch = scratch
+            return opened
         try:
             index = tantivy.Index.open(str(directory))
             index.register_tokenizer(ANALYZER_NAME, make_analyzer())
@@ -127,6 +143,16 @@ class LexicalIndex:
 
     DELETE_BATCH = 4096
 
+    def close(self) -> None:
+        """Let background merges finish and release the directory lock."""
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.wait_merging_threads()
+            self._writer = None
+        scratch = getattr(self, "_scratch", None)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
     def num_docs(self) -> int:
         """Documents in the index, deleted ones excluded."""
         return int(self.index.searcher().num_docs)
@@ -141,11 +167,16 @@ class LexicalIndex:
         result = searcher.search(tantivy.Query.all_query(), n, count=False)
         return [int(r) for r in searcher.fast_field_values("row", [addr for _, addr in result.hits])]
 
-    def query_terms(self, text: str) -> list[str]:
-        seen: dict[str, None] = {}
+    def query_terms(self, text: str) -> dict[str, int]:
+        """Analysed query terms with how often each occurs. One-character tokens are dropped
+        when longer ones exist: in conversational queries they are debris ("I'm" -> i, m) that
+        matches authors' initials (measured on CACM: docs/BENCHMARKS.md)."""
+        counts: dict[str, int] = {}
         for tok in self.analyzer.analyze(text):
-            seen.setdefault(tok, None)
-        return list(seen)
+            counts[tok] = counts.get(tok, 0) + 1
+        if any(len(t) > 1 for t in counts):
+            counts = {t: n for t, n in counts.items() if len(t) > 1}
+        return counts
 
     def search(self, text: str, k: int, tenant: Optional[str] = None,
                equal_filters: Sequence[tuple[str, Sequence[str]]] = (),
@@ -157,8 +188,13 @@ class LexicalIndex:
         if not terms or k <= 0:
             return [], []
         Q, Occur = tantivy.Query, tantivy.Occur
-        should = [(Occur.Should, Q.term_query(self.schema, field, t))
-                  for t in terms for field in ("text", "title")]
+        should = []
+        for t, n in terms.items():
+            # a term the query repeats weighs more, sublinearly (1 + ln n), as BM25 over the
+            # query's own term frequency would; deduplicating lost it on long queries
+            for field in ("text", "title"):
+                q = Q.term_query(self.schema, field, t)
+                should.append((Occur.Should, Q.boost_query(q, 1.0 + math.log(n)) if n > 1 else q))
         clauses = [(Occur.Must, Q.boolean_query(should))]
         if tenant is not None:
             clauses.append((Occur.Must, Q.term_query(self.schema, "tenant", tenant)))

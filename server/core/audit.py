@@ -1,99 +1,169 @@
-"""Release checks run before an alias flip: the ANN recall audit and the count reconciliation.
+"""Release checks run before an alias flip - the ANN recall audit and the count reconciliation -
+and the knob tuning that picks the cheapest search setting meeting a recall target.
 
-`publish` (CollectionStore.publish) refuses a build unless both passed and are recorded in its
-descriptor.
+`publish` (CollectionStore.publish) refuses a build unless both checks passed and are recorded in
+its descriptor. Recall is measured with HELD-OUT queries: the builder stores vectors that are not
+in the index (embedded spans of the corpus, or the user's own query vectors) as
+`audit_queries.npy`; sampling queries from the index itself flatters ANN recall (each query's
+nearest neighbour is itself). A build without held-out queries is audited held-in, and says so.
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Optional
 
+import faiss
 import numpy as np
 
-from server.backends.dense import DenseIndex
+from server.backends.dense import DenseIndex, SearchKnobs, _unwrap
 from server.backends.docstore import DocStore
 from server.backends.lexical import LexicalIndex
-from server.core.collection import CollectionStore
-from server.core.shards import shard_dir_name
+from server.core.collection import CollectionStore, ReleaseDescriptor, shard_dir_name
+
+AUDIT_QUERIES = "audit_queries.npy"
+EF_GRID = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+NPROBE_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096)
+K_FACTOR_GRID = (1, 2, 4, 8, 16, 32)
+
+
+def _load_shards(store: CollectionStore, desc: ReleaseDescriptor, knobs: SearchKnobs):
+    bdir = store.build_dir(desc.collection, desc.build_id)
+    out = []
+    for s in range(desc.shards):
+        sdir = bdir / shard_dir_name(s)
+        dense = DenseIndex.load(sdir, desc.metric, desc.shard_files.get(shard_dir_name(s)), knobs)
+        out.append((dense, np.load(sdir / "vectors.npy", mmap_mode="r")))
+    return out
+
+
+def _queries(store: CollectionStore, desc: ReleaseDescriptor, shards, queries, n: int,
+             seed: int) -> tuple[np.ndarray, str]:
+    if queries is not None:
+        return np.ascontiguousarray(queries, np.float32), "given"
+    path = store.build_dir(desc.collection, desc.build_id) / AUDIT_QUERIES
+    if path.is_file():
+        return np.ascontiguousarray(np.load(path)[:max(n, 1)], np.float32), "held-out (build)"
+    rng = np.random.default_rng(seed)
+    allv = np.concatenate([np.asarray(v) for _, v in shards])
+    pick = rng.choice(len(allv), size=min(n, len(allv)), replace=False)
+    return np.ascontiguousarray(allv[pick], np.float32), "held-in sample of chunk vectors (optimistic)"
+
+
+class _RecallProbe:
+    """Exact top-k of the audit queries, computed once, against which any knob setting is scored."""
+
+    def __init__(self, shards, queries: np.ndarray, k: int, metric: str, dim: int):
+        self.shards, self.queries, self.k = shards, queries, k
+        ex_s, ex_i = [], []
+        for dense, vecs in shards:
+            flat = faiss.IndexFlatIP(dim) if metric == "ip" else faiss.IndexFlatL2(dim)
+            flat.add(np.ascontiguousarray(vecs, dtype=np.float32))
+            s, r = flat.search(queries, min(k, flat.ntotal))
+            ex_s.append(-s if metric == "l2" else s)
+            ex_i.append(dense.chunk_ids(r))
+        self.exact = self._topk(ex_s, ex_i)
+
+    def _topk(self, scores, ids) -> np.ndarray:
+        S, I = np.concatenate(scores, axis=1), np.concatenate(ids, axis=1)
+        order = np.argsort(-S, axis=1, kind="stable")[:, :self.k]
+        return np.take_along_axis(I, order, axis=1)
+
+    def measure(self, knobs: SearchKnobs) -> tuple[float, float]:
+        """(recall@k, ms per query of one batched search per shard) at these knobs."""
+        ann_s, ann_i = [], []
+        t0 = time.perf_counter()
+        for dense, _ in self.shards:
+            s, r = dense.search(self.queries, self.k, knobs=knobs)
+            ann_s.append(s)
+            ann_i.append(dense.chunk_ids(r))
+        ms = (time.perf_counter() - t0) * 1e3 / len(self.queries)
+        ann = self._topk(ann_s, ann_i)
+        hits = [len(set(a[a >= 0]) & set(e[e >= 0])) / max(1, len(e[e >= 0]))
+                for a, e in zip(ann, self.exact)]
+        return float(np.mean(hits)), ms
+
+
+def _candidate_knobs(index: faiss.Index, base: SearchKnobs) -> list[list[SearchKnobs]]:
+    """Knob settings to try, as lists ordered from cheapest to dearest (recall grows along each)."""
+    top = faiss.downcast_index(index)
+    inner = _unwrap(top)
+    refine = isinstance(top, faiss.IndexRefine)
+    if isinstance(inner, faiss.IndexHNSW):
+        return [[SearchKnobs(base.nprobe, ef, base.k_factor) for ef in EF_GRID]]
+    if isinstance(inner, faiss.IndexIVF):
+        probes = [p for p in NPROBE_GRID if p <= inner.nlist] or [inner.nlist]
+        factors = K_FACTOR_GRID if refine else (base.k_factor,)
+        return [[SearchKnobs(p, base.ef_search, kf) for p in probes] for kf in factors]
+    return []
+
+
+def tune_knobs(probe: _RecallProbe, index: faiss.Index, base: SearchKnobs,
+               target: float) -> tuple[SearchKnobs, list[dict]]:
+    """The cheapest setting (by measured time) that meets `target` recall; along each list the
+    first setting meeting it is taken (recall grows along it). When none does, the setting with
+    the best recall, and the caller's audit then fails on its own threshold."""
+    sweep, meeting = [], []
+    best = (base, -1.0, float("inf"))
+    for lst in _candidate_knobs(index, base):
+        for knobs in lst:
+            recall, ms = probe.measure(knobs)
+            sweep.append({"knobs": knobs.__dict__, "recall": recall, "ms_per_query": ms})
+            if recall > best[1]:
+                best = (knobs, recall, ms)
+            if recall >= target:
+                meeting.append((ms, knobs))
+                break
+    if meeting:
+        return min(meeting, key=lambda m: m[0])[1], sweep
+    return best[0], sweep
 
 
 def audit_build(store: CollectionStore, collection: str, build_id: str, k: int = 10,
                 queries: Optional[np.ndarray] = None, n_queries: int = 200,
-                min_recall: float = 0.9, seed: int = 7) -> dict:
+                min_recall: float = 0.9, seed: int = 7, target_recall: Optional[float] = None,
+                state_root: Optional[Path] = None, record: bool = True) -> dict:
     """ANN recall@k of the build against exact search over the same vectors, merged over shards,
-    then the count reconciliation (reconcile_build).
-
-    Queries: the given vectors, or a sample of the build's own chunk vectors ("held-in"). Both
-    results are stored in the descriptor; `publish` refuses a build unless both passed.
-    """
+    then the count reconciliation (reconcile_build). With `target_recall`, first tune the search
+    knobs to the cheapest setting meeting it and store them in the descriptor."""
     desc = store.descriptor(collection, build_id)
-    bdir = store.build_dir(collection, build_id)
-    from server.backends.dense import SearchKnobs
-
     knobs = SearchKnobs(**desc.search_defaults) if desc.search_defaults else SearchKnobs()
-    shards = []
-    for s in range(desc.shards):
-        sdir = bdir / shard_dir_name(s)
-        dense = DenseIndex.load(sdir, desc.metric, desc.shard_files.get(shard_dir_name(s)), knobs)
-        shards.append((dense, np.load(sdir / "vectors.npy", mmap_mode="r")))
-    source = "given"
-    if queries is None:
-        rng = np.random.default_rng(seed)
-        allv = np.concatenate([np.asarray(v) for _, v in shards])
-        queries = allv[rng.choice(len(allv), size=min(n_queries, len(allv)), replace=False)]
-        source = "held-in sample of chunk vectors"
-    queries = np.ascontiguousarray(queries, dtype=np.float32)
-    import faiss
-
-    ann_s, ann_i, ex_s, ex_i = [], [], [], []
-    t0 = time.perf_counter()
-    for dense, vecs in shards:
-        s, r = dense.search(queries, k)
-        ann_s.append(s)
-        ann_i.append(dense.chunk_ids(r))
-    ann_ms = (time.perf_counter() - t0) * 1e3 / len(queries)
-    for dense, vecs in shards:
-        flat = faiss.IndexFlatIP(desc.dim) if desc.metric == "ip" else faiss.IndexFlatL2(desc.dim)
-        flat.add(np.ascontiguousarray(vecs, dtype=np.float32))
-        s, r = flat.search(queries, min(k, flat.ntotal))
-        if desc.metric == "l2":
-            s = -s
-        ex_s.append(s)
-        ex_i.append(dense.chunk_ids(r))
-
-    def topk(scores, ids):
-        S, I = np.concatenate(scores, axis=1), np.concatenate(ids, axis=1)
-        order = np.argsort(-S, axis=1, kind="stable")[:, :k]
-        return np.take_along_axis(I, order, axis=1)
-
-    ann, exact = topk(ann_s, ann_i), topk(ex_s, ex_i)
-    hits = [len(set(a[a >= 0]) & set(e[e >= 0])) / max(1, len(e[e >= 0])) for a, e in zip(ann, exact)]
-    recall = float(np.mean(hits))
+    shards = _load_shards(store, desc, knobs)
+    queries, source = _queries(store, desc, shards, queries, n_queries, seed)
+    probe = _RecallProbe(shards, queries, k, desc.metric, desc.dim)
+    tuning = None
+    if target_recall is not None:
+        chosen, sweep = tune_knobs(probe, shards[0][0].cpu_index, knobs, target_recall)
+        tuning = {"target_recall": target_recall, "chosen": chosen.__dict__, "sweep": sweep}
+        knobs = chosen
+        desc.search_defaults = dict(chosen.__dict__)
+    recall, ann_ms = probe.measure(knobs)
     audit = {"k": k, "recall": recall, "queries": len(queries), "query_source": source,
-             "min_recall": min_recall, "passed": recall >= min_recall,
-             "ann_ms_per_query": ann_ms, "search_defaults": knobs.__dict__,
-             "audited_at": time.time()}
+             "min_recall": min_recall, "passed": recall >= min_recall, "ann_ms_per_query": ann_ms,
+             "search_defaults": knobs.__dict__, "tuning": tuning, "audited_at": time.time()}
     desc.audit = audit
-    store.write_descriptor(desc)
-    recon = reconcile_build(store, collection, build_id)  # publish needs both
+    if record:
+        store.write_descriptor(desc)
+    recon = reconcile_build(store, collection, build_id, state_root, record)
     audit["reconciliation"] = {"passed": recon["passed"], "mismatches": recon["mismatches"]}
     return audit
 
 
-def reconcile_build(store: CollectionStore, collection: str, build_id: str) -> dict:
-    """Reconcile what a server would load for every shard (the build's files plus the streaming
-    writes since), so it is also the check an operator runs after a crash. Stored in the
-    descriptor.
+def reconcile_build(store: CollectionStore, collection: str, build_id: str,
+                    state_root: Optional[Path] = None, record: bool = True) -> dict:
+    """Reconcile what a server would load for every shard - the build's files plus, when the
+    shard has a state directory under `state_root`, the streaming writes there - so it is also
+    the check an operator runs after a crash. Stored in the descriptor when `record`.
 
     Mismatches (the build cannot be served as it is):
     - the faiss file's vectors differ from the rows the build wrote, or rows added since are not
       contiguous after them or lack their vector;
     - the BM25 index lacks a live row, or holds a row that is live nowhere and pending nowhere;
-    - for a build that took no writes: live chunks, documents and tenants differ from the
-      descriptor.
+    - for a shard that took no writes: live chunks and documents differ from the descriptor.
     Reported, not mismatches: pending rows (recovery orphans them) and dead rows still in BM25
     (recovery purges them)."""
     from server.backends.docstore import LIVE
+    from server.core.engine.state import READY, state_shard_dir
 
     desc = store.descriptor(collection, build_id)
     bdir = store.build_dir(collection, build_id)
@@ -103,7 +173,9 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str) -> d
     for s in range(desc.shards):
         name = shard_dir_name(s)
         sdir = bdir / name
-        ds = DocStore(sdir / "docstore.sqlite")
+        state = state_shard_dir(state_root, collection, build_id, name) if state_root else None
+        live_dir = state if state is not None and (state / READY).is_file() else None
+        ds = DocStore((live_dir or sdir) / "docstore.sqlite", read_only=live_dir is None)
         try:
             counts, states = ds.counts(), ds.row_states()
             deleted = sum(1 for v, live in ds.documents().values() if not live)
@@ -118,32 +190,37 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str) -> d
             ds.close()
         rows = sum(states.values())
         want = desc.shard_counts.get(name, {})
+        where = f"{name}" + (" (state)" if live_dir is not None else "")
         if want and dense.ntotal != want.get("chunks"):
-            mismatches.append(f"{name}: the faiss file holds {dense.ntotal} vectors, the build wrote "
-                              f"{want.get('chunks')} rows")
+            mismatches.append(f"{where}: the faiss file holds {dense.ntotal} vectors, the build "
+                              f"wrote {want.get('chunks')} rows")
         if dense.ntotal + len(added_rows) != rows:
-            mismatches.append(f"{name}: faiss file ({dense.ntotal}) + rows added since "
+            mismatches.append(f"{where}: faiss file ({dense.ntotal}) + rows added since "
                               f"({len(added_rows)}) = {dense.ntotal + len(added_rows)} vectors, "
                               f"the store {rows} rows")
         if len(added_rows) and not np.array_equal(added_rows, np.arange(dense.ntotal,
                                                                          dense.ntotal + len(added_rows))):
-            mismatches.append(f"{name}: rows added since the build are not contiguous from {dense.ntotal}")
+            mismatches.append(f"{where}: rows added since the build are not contiguous from {dense.ntotal}")
         if len(added_rows) and added_vecs.shape[1] != desc.dim:
-            mismatches.append(f"{name}: rows added since the build lack {desc.dim}-d vectors")
-        indexed = set(LexicalIndex.open(sdir / "lexical").indexed_rows())
+            mismatches.append(f"{where}: rows added since the build lack {desc.dim}-d vectors")
+        lexical = LexicalIndex.open((live_dir or sdir) / "lexical", read_only=live_dir is None)
+        try:
+            indexed = set(lexical.indexed_rows())
+        finally:
+            lexical.close()
         missing = live_rows - indexed
         stray = [r for r in indexed - live_rows if row_state.get(r) == LIVE or r not in row_state]
         to_purge = len(indexed - live_rows) - len(stray)
         if missing:
-            mismatches.append(f"{name}: the BM25 index lacks {len(missing)} live rows")
+            mismatches.append(f"{where}: the BM25 index lacks {len(missing)} live rows")
         if stray:
-            mismatches.append(f"{name}: the BM25 index holds {len(stray)} rows the store does not have")
+            mismatches.append(f"{where}: the BM25 index holds {len(stray)} rows the store does not have")
         if not writes:
             if want and want.get("chunks") != counts["chunks"]:
-                mismatches.append(f"{name}: {counts['chunks']} live chunks, the descriptor says "
+                mismatches.append(f"{where}: {counts['chunks']} live chunks, the descriptor says "
                                   f"{want.get('chunks')}")
             if want and want.get("documents") != counts["documents"]:
-                mismatches.append(f"{name}: {counts['documents']} documents, the descriptor says "
+                mismatches.append(f"{where}: {counts['documents']} documents, the descriptor says "
                                   f"{want.get('documents')}")
         totals["documents"] += counts["documents"]
         totals["chunks"] += counts["chunks"]
@@ -159,6 +236,7 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str) -> d
             mismatches.append(f"tenant chunk counts {tenants} differ from the descriptor's {desc.tenants}")
     result = {"passed": not mismatches, "mismatches": mismatches, **totals, "tenants": len(tenants),
               "reconciled_at": time.time()}
-    desc.reconciliation = result
-    store.write_descriptor(desc)
+    if record:
+        desc.reconciliation = result
+        store.write_descriptor(desc)
     return result

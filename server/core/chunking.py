@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 CHUNK_WORDS = 160    # MiniLM reads 256 word pieces; 160 English words stay under that
 OVERLAP_WORDS = 32
-CHUNKER_VERSION = f"words-{CHUNK_WORDS}-{OVERLAP_WORDS}/v2"  # v2: ids keyed by (tenant, doc_id)
+# v2: ids keyed by (tenant, doc_id); v3: a document with a title and no text is one empty chunk
+CHUNKER_VERSION = f"words-{CHUNK_WORDS}-{OVERLAP_WORDS}/v3"
 
 _WORD = re.compile(r"\S+")
 
@@ -41,8 +42,31 @@ def chunk_text(text: str, words: int = CHUNK_WORDS, overlap: int = OVERLAP_WORDS
         start_word += step
 
 
+def document_chunks(title: str, text: str) -> list[Chunk]:
+    """The chunks of a document. One with a title but no words of text still gets one (empty)
+    chunk, so it can be found by its title (CACM has dozens of title-only documents)."""
+    chunks = chunk_text(text)
+    if not chunks and title.strip():
+        return [Chunk(0, 0, 0, "")]
+    return chunks
+
+
+def given_chunks(texts: list[str], separator: str = "\n\n") -> tuple[str, list[Chunk]]:
+    """Chunks a caller made itself (it embedded them with its own model): the document text is
+    their concatenation, and each chunk's offsets point into it."""
+    chunks, pos = [], 0
+    for i, t in enumerate(texts):
+        if i:
+            pos += len(separator)
+        chunks.append(Chunk(i, pos, pos + len(t), t))
+        pos += len(t)
+    return separator.join(texts), chunks
+
+
 def embed_text(title: str, text: str) -> str:
     """What the embedder reads for a chunk: the document title gives short chunks their topic."""
+    if not text:
+        return title
     return f"{title}. {text}" if title else text
 
 

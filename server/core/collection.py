@@ -54,6 +54,8 @@ class ReleaseDescriptor:
     audit: Optional[dict] = None                       # ANN recall audit (index-builder audit)
     reconciliation: Optional[dict] = None              # count reconciliation (before publish)
     compacted_from: Optional[str] = None               # build this one compacts
+    log_positions: dict = field(default_factory=dict)  # "shard-000" -> write-log position included
+    audit_queries: Optional[str] = None                # held-out audit queries file in the build
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -81,6 +83,10 @@ class ReleaseDescriptor:
             return cls(**data)
         except (ValueError, TypeError) as exc:
             raise IndexCorruptError(f"release descriptor {source} is invalid: {exc}") from exc
+
+
+def shard_dir_name(shard_no: int) -> str:
+    return f"shard-{shard_no:03d}"
 
 
 def check_name(name: str, what: str = "collection") -> str:
@@ -115,6 +121,11 @@ class CollectionStore:
 
     def __init__(self, data_dir: Path):
         self.data_dir = Path(data_dir)
+
+    @property
+    def writable(self) -> bool:
+        """Whether builds can be written here (compaction, sweeps); serving needs only reads."""
+        return os.access(self.data_dir, os.W_OK)
 
     def collection_dir(self, name: str) -> Path:
         return self.data_dir / check_name(name)

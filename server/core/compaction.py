@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from server.core.build_writer import write_shard
-from server.core.collection import CollectionStore, atomic_write
-from server.core.shards import crash_point, shard_dir_name
+from server.core.collection import CollectionStore, atomic_write, shard_dir_name
+from server.core.engine.index import crash_point
 
 REPLAY_FILE = "replay.json"  # {source build id: {shard number: last replayed write seq}}
 
@@ -30,11 +30,14 @@ def compact_build(store: CollectionStore, loaded, seed: int = 0):
     files, counts, tenants, dedicated, marker = {}, {}, {}, {}, {}
     version_hash = hashlib.sha256(desc.corpus_version.encode())
     with store.staging(desc.collection, build_id) as tmp_dir:
-        for shard in loaded.shards:
+        log_positions = {}
+        for local in loaded.shards:
+            shard = local.index  # compaction runs in the engine that owns the shards
             with shard._write_mutex:  # a snapshot consistent with its write-log position
                 records = shard.store.live_records()
                 documents = shard.store.documents()
                 seq = shard.store.last_write_seq()
+                applied = shard.applied_seq
                 x = shard.vectors[np.array([r.row for r in records], dtype=np.int64)]
             records = [dataclasses.replace(r, row=i) for i, r in enumerate(records)]
             name = shard_dir_name(shard.shard_no)
@@ -50,6 +53,7 @@ def compact_build(store: CollectionStore, loaded, seed: int = 0):
             if out.dedicated:
                 dedicated[name] = out.dedicated
             marker[str(shard.shard_no)] = seq
+            log_positions[name] = applied
             version_hash.update(f"{shard.shard_no}:{shard.index_version}".encode())
             crash_point("compaction_after_shard")
         new = dataclasses.replace(
@@ -57,16 +61,20 @@ def compact_build(store: CollectionStore, loaded, seed: int = 0):
             tenants=tenants, dedicated_tenants=dedicated, audit=None, reconciliation=None,
             documents=sum(c["documents"] for c in counts.values()),
             chunks=sum(c["chunks"] for c in counts.values()), compacted_from=desc.build_id,
-            corpus_version=version_hash.hexdigest()[:16])
+            corpus_version=version_hash.hexdigest()[:16], log_positions=log_positions)
         (tmp_dir / "release.json").write_text(new.to_json())
         (tmp_dir / REPLAY_FILE).write_text(json.dumps({desc.build_id: marker}))
     return new
 
 
-def read_replay_marker(build_dir) -> dict:
-    path = build_dir / REPLAY_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+def read_replay_marker(state_build_dir, build_dir=None) -> dict:
+    """Replay progress: the state's copy when the server has replayed into this build, else the
+    marker the build was written with (compaction records where its snapshot stopped)."""
+    for d in (state_build_dir, build_dir):
+        if d is not None and (d / REPLAY_FILE).is_file():
+            return json.loads((d / REPLAY_FILE).read_text())
+    return {}
 
 
-def write_replay_marker(build_dir, marker: dict) -> None:
-    atomic_write(build_dir / REPLAY_FILE, json.dumps(marker))
+def write_replay_marker(state_build_dir, marker: dict) -> None:
+    atomic_write(state_build_dir / REPLAY_FILE, json.dumps(marker))

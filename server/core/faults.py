@@ -10,9 +10,9 @@ import asyncio
 import logging
 import random
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
-from server.core.types import ShardQuery, ShardResult
+from server.core.types import FetchRequest, ShardQuery
 from server.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,8 @@ class FaultSpec:
 
 
 class FaultyShard:
-    """Same interface as the shard it wraps."""
+    """The whole shard interface of the shard it wraps; searches and fetches may be delayed, fail
+    or hang."""
 
     def __init__(self, inner, spec: FaultSpec):
         self.inner = inner
@@ -45,10 +46,37 @@ class FaultyShard:
         self.rng = random.Random(spec.seed)
         log.warning("FAULT INJECTION ON for shard %d: %s", inner.shard_no, spec)
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    @property
+    def shard_no(self) -> int:
+        return self.inner.shard_no
 
-    async def search(self, query: ShardQuery, timeout: Optional[float] = None) -> ShardResult:
+    @property
+    def desc(self):
+        return self.inner.desc
+
+    async def apply(self, writes, timeout: Optional[float] = None) -> list:
+        return await self.inner.apply(writes, timeout)
+
+    async def info(self, tenant: Optional[str] = None, digest: bool = False,
+                   timeout: Optional[float] = None):
+        return await self.inner.info(tenant, digest, timeout)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    @property
+    def cache_version(self) -> Optional[int]:
+        return self.inner.cache_version
+
+    async def search(self, queries: Sequence[ShardQuery], timeout: Optional[float] = None) -> list:
+        await self._maybe_fault()
+        return await self.inner.search(queries, timeout)
+
+    async def fetch(self, request: FetchRequest, timeout: Optional[float] = None) -> list:
+        await self._maybe_fault()
+        return await self.inner.fetch(request, timeout)
+
+    async def _maybe_fault(self) -> None:
         s, r = self.spec, self.rng.random()
         if r < s.fail_prob:
             raise Unavailable(f"injected failure on shard {self.inner.shard_no}")
@@ -58,4 +86,3 @@ class FaultyShard:
         r -= s.hang_prob
         if r < s.delay_prob:
             await asyncio.sleep(s.delay_ms / 1e3)
-        return await self.inner.search(query, timeout)

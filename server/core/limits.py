@@ -11,11 +11,16 @@ MAX_FILTER_VALUES = 256
 MAX_FILTER_VALUE_CHARS = 256
 MAX_COLLECTION_NAME = 128
 MAX_CONTEXT_TOKENS = 100_000
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024   # gRPC receive limit on every listener
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # gRPC receive limit on every listener (a SearchBatch of
+                                      # 1,024 queries with 384-d vectors is ~1.6 MB)
 DEFAULT_RERANK_CAP = 200              # server cap on rerank_depth (configurable)
 MAX_DOC_ID_CHARS = 512
 MAX_VERSION = 2 ** 63 - 1             # document versions: the proto field is uint64, SQLite's int64
 MAX_ROW = 2 ** 63 - 1                 # shard row numbers (FetchChunks)
+MAX_SEQUENCE = 2 ** 63 - 1            # write-log sequence numbers
+MAX_FETCH_ROWS = 4096                 # rows per FetchChunks call
+MAX_CHUNKS_PER_DOC = 4096             # chunks (with vectors) per UpsertDocument
+MAX_BATCH_QUERIES = 1024              # queries per SearchBatch call
 MAX_DOC_TEXT_CHARS = 1_000_000
 MAX_TITLE_CHARS = 1_000
 MAX_METADATA_ENTRIES = 64

@@ -13,7 +13,7 @@ import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = tuple(round(5e-5 * 1.25 ** i, 7) for i in range(64))
-BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 
 STAGE_SECONDS = Histogram("search_stage_seconds", "Latency of one stage of a request",
                           ["stage"], buckets=LATENCY_BUCKETS)
@@ -25,6 +25,8 @@ INFLIGHT = Gauge("search_inflight_requests", "Requests being served now")
 REJECTED = Counter("search_rejected_total", "Requests shed by admission control")
 HEDGES_SENT = Counter("search_hedges_sent_total", "Hedged shard requests sent", ["shard"])
 HEDGES_WON = Counter("search_hedges_won_total", "Hedged shard requests that answered first", ["shard"])
+EJECTIONS = Counter("search_replica_ejections_total", "Replicas taken out of rotation after "
+                    "timeouts or stalls", ["shard", "replica"])
 RETRIES = Counter("search_retries_total", "Shard requests retried on another replica", ["shard"])
 SHARD_ERRORS = Counter("search_shard_errors_total", "Failed shard calls", ["shard", "replica", "code"])
 BATCH_SIZE = Histogram("search_batch_size", "Items per device call", ["model"], buckets=BATCH_BUCKETS)
@@ -35,6 +37,19 @@ TOMBSTONE_RATIO = Gauge("search_tombstone_ratio", "Dead or orphaned rows / all r
                         "removes them)", ["collection", "shard"])
 LEXICAL_REPAIRS = Counter("search_lexical_repaired_rows_total", "Rows the BM25 index held or lacked "
                           "against the store (invariant 7), found and repaired", ["collection", "shard"])
+APPLIED_SEQ = Gauge("search_applied_sequence", "Write-log position a shard has applied",
+                    ["collection", "shard"])
+ENGINE_BATCH = Histogram("search_engine_batch_size", "Queries per batched shard search",
+                         ["collection", "shard"], buckets=BATCH_BUCKETS)
+ENGINE_QUEUE_SECONDS = Histogram("search_engine_queue_seconds", "Time a query waited for its "
+                                 "batched shard search", ["collection", "shard"],
+                                 buckets=LATENCY_BUCKETS)
+ENGINE_DROPPED = Counter("search_engine_dropped_total", "Queries dropped before the index call "
+                         "(caller gone or past its deadline)", ["collection", "shard", "reason"])
+ENGINE_QUEUE_DEPTH = Gauge("search_engine_queue_depth", "Queries waiting for a batched shard search",
+                           ["collection", "shard"])
+WRITE_GROUP = Histogram("search_write_group_size", "Writes applied per group commit",
+                        ["collection", "shard"], buckets=BATCH_BUCKETS)
 ORPHANS = Gauge("search_orphan_rows", "Rows of writes that never became live", ["collection", "shard"])
 STALENESS = Histogram("search_staleness_seconds", "ingested_at - source_modified_at of written "
                       "documents", buckets=tuple(0.01 * 2 ** i for i in range(24)))

@@ -1,37 +1,46 @@
 """Fan-out policy: how the router reads one shard through its replica set.
 
 Policy, in order:
-1. **Pick** the replica with the fewest outstanding requests (ties go round-robin), skipping replicas
-   already tried for this request.
-2. **Hedge**: if it has not answered after the hedge delay — this shard's recently observed p95
-   latency, clamped to [hedge_min_ms, hedge_max_ms] — send the same request to a second replica. The
-   first success wins; the other call is cancelled. Hedges are capped by a budget: every request
-   earns `hedge_budget` tokens (default 0.10 = at most ~10% extra requests), a hedge spends one,
-   and the bucket holds at most `hedge_burst` tokens.
-3. **Retry**: a replica that fails with UNAVAILABLE (down, refused, reset) is retried at once on the
-   next untried replica, within the request's deadline.
-4. **Fail fast**: INVALID_ARGUMENT, NOT_FOUND and FAILED_PRECONDITION are the request's fault or the
-   build's, the same on every replica: returned at once, never retried.
-5. **Summarise**: when every replica failed, the error says how many and why, e.g.
+1. **Rotation**: a replica serving another build than the router's (it answered "serves build X")
+   is out of rotation until a re-read of its ShardInfo shows the router's build again; a replica
+   whose calls time out or stall is ejected for a while (`eject_ms`, doubling on each ejection
+   in a row up to `eject_max_ms`), then taken back on probation. When no replica is in rotation,
+   all of them are tried rather than none.
+2. **Pick**: among replicas in rotation, the lowest (outstanding calls + 1) x recent latency
+   (an EWMA that also counts hedges a replica lost: a hung replica does not look idle just because
+   its cancelled calls left), ties round-robin; replicas already tried for this request skipped.
+3. **Hedge**: if it has not answered after the hedge delay - this shard's recently observed p95
+   latency, clamped to [hedge_min_ms, hedge_max_ms] - send the same request to a second replica.
+   The first success wins; the other call is cancelled. Hedges are capped by a budget: every
+   request earns `hedge_budget` tokens (default 0.10 = at most ~10% extra requests), a hedge spends
+   one, and the bucket holds at most `hedge_burst` tokens.
+4. **Retry**: a replica that fails with UNAVAILABLE (down, refused, reset, overloaded) or serves
+   another build is retried at once on the next untried replica, within the request's deadline.
+5. **Fail fast**: INVALID_ARGUMENT, NOT_FOUND and other FAILED_PRECONDITIONs are the request's
+   fault or the build's, the same on every replica: returned at once, never retried.
+6. **Summarise**: when every replica failed, the error says how many and why, e.g.
    "shard 1: 2 of 2 replicas failed: 127.0.0.1:7001 UNAVAILABLE ...; 127.0.0.1:7002 ...".
-The deadline bounds everything: no call outlives the caller's remaining budget.
+Searches and FetchChunks follow the same policy; the deadline bounds everything: no call
+outlives the caller's remaining budget.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Awaitable, Callable, Optional, Sequence
 
 import numpy as np
 
 from server.core import metrics
-from server.core.types import ShardQuery, ShardResult
-from server.errors import DeadlineExceeded, SearchError, Unavailable
+from server.core.types import Candidate, FetchRequest, ShardInfo, ShardQuery, ShardWrite, WriteOutcome
+from server.errors import DeadlineExceeded, FailedPrecondition, SearchError, Unavailable
 
-RETRYABLE = (Unavailable,)
+RETRYABLE = (Unavailable, DeadlineExceeded)
+WRONG_BUILD = re.compile(r"serves build (\S+), not (\S+)")
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,9 @@ class HedgePolicy:
     hedge_burst: float = 10.0
     quantile: float = 95.0
     window: int = 512
+    eject_after: int = 3          # timeouts or lost hedges in a row that eject a replica
+    eject_ms: float = 1000.0
+    eject_max_ms: float = 30_000.0
 
 
 class LatencyWindow:
@@ -73,79 +85,143 @@ class LatencyWindow:
         return min(max(self._cached, p.hedge_min_ms), p.hedge_max_ms)
 
 
-class ReplicaSet:
-    """One shard served by several replicas; answers the same `search` as a single shard."""
+@dataclass
+class ReplicaHealth:
+    ewma_ms: float = 1.0
+    strikes: int = 0              # timeouts / lost hedges in a row
+    ejections: int = 0            # ejections in a row (reset by a success)
+    ejected_until: float = 0.0
+    other_build: Optional[str] = None
 
-    def __init__(self, shard_no: int, replicas: Sequence, policy: HedgePolicy = HedgePolicy()):
+    def in_rotation(self, now: float) -> bool:
+        return self.other_build is None and now >= self.ejected_until
+
+
+class ReplicaSet:
+    """One shard served by several replicas; implements the whole shard interface."""
+
+    def __init__(self, shard_no: int, replicas: Sequence, policy: HedgePolicy = HedgePolicy(),
+                 build_id: Optional[str] = None):
         if not replicas:
             raise ValueError(f"shard {shard_no} has no replicas")
         self.shard_no = shard_no
         self.replicas = list(replicas)
         self.policy = policy
+        self.build_id = build_id
         self.outstanding = [0] * len(replicas)
+        self.health = [ReplicaHealth() for _ in replicas]
         self.latency = LatencyWindow(policy)
         self._rr = itertools.count()
         self._tokens = policy.hedge_burst
-        self.stats = {"requests": 0, "hedges": 0, "hedges_won": 0, "retries": 0}
+        self.stats = {"requests": 0, "hedges": 0, "hedges_won": 0, "retries": 0, "ejections": 0}
 
+    @property
+    def cache_version(self) -> Optional[int]:
+        return None
+
+    def _name(self, i: int) -> str:
+        return getattr(self.replicas[i], "address", str(i))
+
+    # --- rotation ----------------------------------------------------------------------------
     def _pick(self, exclude: set[int]) -> Optional[int]:
-        candidates = [i for i in range(len(self.replicas)) if i not in exclude]
-        if not candidates:
+        now = time.monotonic()
+        untried = [i for i in range(len(self.replicas)) if i not in exclude]
+        if not untried:
             return None
+        rotation = [i for i in untried if self.health[i].in_rotation(now)]
+        candidates = rotation or untried
         start = next(self._rr)
-        candidates.sort(key=lambda i: (self.outstanding[i], (i - start) % len(self.replicas)))
-        return candidates[0]
+        n = len(self.replicas)
+        return min(candidates, key=lambda i: ((self.outstanding[i] + 1) * self.health[i].ewma_ms,
+                                              (i - start) % n))
 
-    def _take_hedge_token(self) -> bool:
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return True
-        return False
+    def _strike(self, i: int, elapsed_ms: float) -> None:
+        """A timeout, or a hedge this replica lost: slow evidence, and ejection when repeated."""
+        h = self.health[i]
+        h.ewma_ms = 0.7 * h.ewma_ms + 0.3 * elapsed_ms
+        h.strikes += 1
+        if h.strikes >= self.policy.eject_after:
+            ms = min(self.policy.eject_ms * 2 ** h.ejections, self.policy.eject_max_ms)
+            h.ejected_until = time.monotonic() + ms / 1e3
+            h.ejections += 1
+            h.strikes = 0
+            self.stats["ejections"] += 1
+            metrics.EJECTIONS.labels(str(self.shard_no), self._name(i)).inc()
 
-    async def _call(self, i: int, query: ShardQuery, timeout: Optional[float]) -> ShardResult:
-        replica = self.replicas[i]
-        name = getattr(replica, "address", str(i))
+    def _success(self, i: int, ms: float) -> None:
+        h = self.health[i]
+        h.ewma_ms = 0.7 * h.ewma_ms + 0.3 * ms
+        h.strikes = 0
+        h.ejections = 0
+
+    def mark_build(self, i: int, build_id: Optional[str]) -> None:
+        """What replica i serves (from its answer or its ShardInfo): another build than the
+        router's takes it out of rotation; the router's build puts it back."""
+        self.health[i].other_build = (None if build_id is None or build_id == self.build_id
+                                      else build_id)
+
+    def out_of_rotation(self) -> list[int]:
+        return [i for i, h in enumerate(self.health) if h.other_build is not None]
+
+    # --- the hedged call ---------------------------------------------------------------------
+    async def _call(self, i: int, op: Callable[[object, Optional[float]], Awaitable],
+                    timeout: Optional[float]):
+        name = self._name(i)
         self.outstanding[i] += 1
         t0 = time.perf_counter()
         try:
-            result = await replica.search(query, timeout)
+            result = await op(self.replicas[i], timeout)
         except asyncio.CancelledError:
             raise
         except asyncio.TimeoutError:
+            self._strike(i, (time.perf_counter() - t0) * 1e3)
             metrics.SHARD_ERRORS.labels(str(self.shard_no), name, "DEADLINE_EXCEEDED").inc()
             raise DeadlineExceeded(f"{name} did not answer within the deadline")
         except SearchError as exc:
+            if isinstance(exc, DeadlineExceeded):
+                self._strike(i, (time.perf_counter() - t0) * 1e3)
+            self._check_build(i, exc)
             metrics.SHARD_ERRORS.labels(str(self.shard_no), name, type(exc).__name__).inc()
             raise
         finally:
             self.outstanding[i] -= 1
         ms = (time.perf_counter() - t0) * 1e3
+        self._success(i, ms)
         self.latency.observe(ms)
         metrics.SHARD_SECONDS.labels(str(self.shard_no), name).observe(ms / 1e3)
         return result
 
-    async def search(self, query: ShardQuery, timeout: Optional[float] = None) -> ShardResult:
+    def _check_build(self, i: int, exc: SearchError) -> bool:
+        m = WRONG_BUILD.search(str(exc)) if isinstance(exc, FailedPrecondition) else None
+        if m is None:
+            return False
+        self.mark_build(i, m.group(1))
+        return True
+
+    async def _hedged(self, op, timeout: Optional[float], check=None):
+        """Run `op(replica, timeout)` under the policy above. `check(i, result)` may raise a
+        SearchError to reject a result (e.g. answers from another build)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         self.stats["requests"] += 1
         self._tokens = min(self.policy.hedge_burst, self._tokens + self.policy.hedge_budget)
         tried: set[int] = set()
-        running: dict[asyncio.Task, int] = {}
+        running: dict[asyncio.Task, tuple[int, float]] = {}
         failures: list[str] = []
         hedged_index: Optional[int] = None
 
         def remaining() -> Optional[float]:
             return None if deadline is None else deadline - loop.time()
 
-        def launch(exclude: set[int]) -> Optional[int]:
-            i = self._pick(exclude)
+        def launch() -> Optional[int]:
+            i = self._pick(tried)
             if i is None:
                 return None
             tried.add(i)
-            running[asyncio.ensure_future(self._call(i, query, remaining()))] = i
+            running[asyncio.ensure_future(self._call(i, op, remaining()))] = (i, time.perf_counter())
             return i
 
-        launch(tried)
+        launch()
         try:
             while running:
                 left = remaining()
@@ -161,26 +237,37 @@ class ReplicaSet:
                 done, _ = await asyncio.wait(running, timeout=wait_for,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
-                    if can_hedge and self._take_hedge_token():
-                        hedged_index = launch(tried)
+                    if can_hedge and self._tokens >= 1.0:
+                        self._tokens -= 1.0
+                        hedged_index = launch()
                         self.stats["hedges"] += 1
                         metrics.HEDGES_SENT.labels(str(self.shard_no)).inc()
                     elif can_hedge:
                         hedged_index = -1  # budget spent: no hedge for this request
                     continue
                 for task in done:
-                    i = running.pop(task)
+                    i, _ = running.pop(task)
                     exc = task.exception()
                     if exc is None:
-                        if i == hedged_index:
-                            self.stats["hedges_won"] += 1
-                            metrics.HEDGES_WON.labels(str(self.shard_no)).inc()
-                        return task.result()
-                    name = getattr(self.replicas[i], "address", str(i))
-                    if not isinstance(exc, RETRYABLE):
-                        raise exc  # the request's fault, or the deadline: same on every replica
-                    failures.append(f"{name} {type(exc).__name__}: {exc}")
-                    if not running and launch(tried) is not None:
+                        result = task.result()
+                        try:
+                            if check is not None:
+                                check(i, result)
+                        except SearchError as rejected:
+                            exc = rejected
+                        else:
+                            if i == hedged_index:
+                                self.stats["hedges_won"] += 1
+                                metrics.HEDGES_WON.labels(str(self.shard_no)).inc()
+                            for loser, (j, t0) in running.items():  # lost the race: slow evidence
+                                self._strike(j, (time.perf_counter() - t0) * 1e3)
+                            return result
+                    retry = isinstance(exc, RETRYABLE) or (isinstance(exc, FailedPrecondition)
+                                                           and self._check_build(i, exc))
+                    if not retry:
+                        raise exc  # the request's fault, the same on every replica
+                    failures.append(f"{self._name(i)} {type(exc).__name__}: {exc}")
+                    if not running and launch() is not None:
                         self.stats["retries"] += 1
                         metrics.RETRIES.labels(str(self.shard_no)).inc()
             raise Unavailable(f"shard {self.shard_no}: {len(failures)} of {len(self.replicas)} "
@@ -189,25 +276,54 @@ class ReplicaSet:
             for task in running:
                 task.cancel()  # the loser of a hedge, or calls outliving a failure
 
-    async def fetch_chunks(self, build_id, tenant, acl_scopes, rows, timeout=None):
-        """A small follow-up read: least-outstanding replica first, the next one on UNAVAILABLE."""
-        tried: set[int] = set()
-        failures = []
-        while True:
-            i = self._pick(tried)
-            if i is None:
-                raise Unavailable(f"shard {self.shard_no}: fetch failed on every replica: "
-                                  f"{'; '.join(failures)}")
-            tried.add(i)
-            try:
-                return await self.replicas[i].fetch_chunks(build_id, tenant, acl_scopes, rows, timeout)
-            except RETRYABLE as exc:
-                failures.append(str(exc))
+    # --- the shard interface -----------------------------------------------------------------
+    async def search(self, queries: Sequence[ShardQuery], timeout: Optional[float] = None) -> list:
+        def check(i, answers):
+            for a in answers:  # a replica of another build refuses every query of the batch
+                if isinstance(a, FailedPrecondition) and self._check_build(i, a):
+                    raise a
+
+        return await self._hedged(lambda r, t: r.search(queries, t), timeout, check)
+
+    async def fetch(self, request: FetchRequest, timeout: Optional[float] = None) -> list[Candidate]:
+        return await self._hedged(lambda r, t: r.fetch(request, t), timeout)
+
+    async def apply(self, writes: Sequence[ShardWrite],
+                    timeout: Optional[float] = None) -> list[WriteOutcome]:
+        """Direct writes go to every replica (replicated writes normally travel through the write
+        log instead); an error if any replica failed - writes are idempotent, so retry."""
+        results = await asyncio.gather(*(r.apply(writes, timeout) for r in self.replicas),
+                                       return_exceptions=True)
+        failed = [f"{self._name(i)}: {r}" for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if failed:
+            raise Unavailable(f"shard {self.shard_no}: {len(failed)} of {len(self.replicas)} replicas "
+                              f"did not apply the writes: {'; '.join(failed)}")
+        return results[0]
+
+    async def info(self, tenant: Optional[str] = None, digest: bool = False,
+                   timeout: Optional[float] = 10.0) -> ShardInfo:
+        """Every replica's own ShardInfo (in `replicas`), headed by the first that answered."""
+        answers = await asyncio.gather(*(r.info(tenant, digest, timeout) for r in self.replicas),
+                                       return_exceptions=True)
+        infos = []
+        for i, a in enumerate(answers):
+            if isinstance(a, BaseException):
+                infos.append(ShardInfo(self.shard_no, "", "", "", "", 0, 0, 0, 0, 0,
+                                       state="unreachable", address=self._name(i)))
+            else:
+                self.mark_build(i, a.build_id)
+                if a.build_id != self.build_id and self.build_id is not None:
+                    a.state = "other_build"
+                infos.append(a)
+        ok = [x for x in infos if x.state not in ("unreachable", "other_build")]
+        if not ok:
+            raise Unavailable(f"shard {self.shard_no}: no replica of build {self.build_id} answered "
+                              f"ShardInfo")
+        head = ok[0]
+        return ShardInfo(head.shard_no, head.collection, head.build_id, head.corpus_version,
+                         head.model_id, head.index_version, head.applied_seq, head.documents,
+                         head.chunks, head.vectors, head.descriptor_json, head.live_digest,
+                         head.state, head.tombstone_ratio, head.address, infos)
 
     async def close(self) -> None:
-        for r in self.replicas:
-            close = getattr(r, "close", None)
-            if close is not None:
-                result = close()
-                if asyncio.iscoroutine(result):
-                    await result
+        await asyncio.gather(*(r.close() for r in self.replicas))

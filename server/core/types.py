@@ -37,6 +37,9 @@ class SearchQuery:
     rerank_depth: int = 0
     context_token_budget: int = 0
     allow_partial: bool = False
+    min_applied_sequence: int = 0   # read-your-writes: the WriteResponse.sequence to see
+    feedback_docs: Optional[int] = None     # hybrid dense feedback: fused hits fed back (None: default)
+    feedback_weight: Optional[float] = None  # their weight against the query's (None: default)
 
 
 @dataclass
@@ -50,6 +53,8 @@ class WriteRequest:
     metadata: dict = field(default_factory=dict)
     acl: tuple[str, ...] = ()
     source_modified_at: float = 0.0
+    chunks: tuple = ()              # (text, vector) pairs the caller chunked and embedded itself
+    vector_model_id: str = ""       # the model of those vectors (must be the collection's)
 
 
 @dataclass
@@ -65,7 +70,76 @@ class ShardQuery:
     lexical_depth: int
     filters: tuple[Filter, ...] = ()
     acl_scopes: tuple[str, ...] = ()   # the caller's ACL scopes (PUBLIC_ACL is always added)
-    text_top_n: int = 0                # remote shards: ship text for the first N hits of each list
+    text_top_n: int = 0                # ship text for the first N hits of each list (0 = all)
+    min_applied_seq: int = 0           # read-your-writes: answer only once this log position is applied
+
+    @property
+    def restriction(self) -> tuple:
+        """Queries with equal restrictions share one batched search with one selector."""
+        return (self.build_id, self.tenant, tuple(sorted(self.acl_scopes)), self.filters)
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    """Records of rows sent without text (see ShardQuery.text_top_n), re-checked for liveness and
+    visibility to the caller; with their stored vectors when asked (dense feedback)."""
+
+    build_id: str
+    tenant: str
+    acl_scopes: tuple[str, ...]
+    rows: tuple[int, ...]
+    with_vectors: bool = False
+
+
+@dataclass
+class ShardWrite:
+    """One document write for one shard, already chunked and embedded. `seq` is its position in
+    the write log (0 in the embedded default, where the shard's own log numbers it)."""
+
+    op: str                                   # upsert | delete
+    tenant: str
+    doc_id: str
+    version: int
+    body: dict                                # title, text, metadata, acl, source_modified_at, ingested_at
+    chunks: tuple = ()                        # server.core.chunking.Chunk
+    vectors: Optional[np.ndarray] = None      # (len(chunks), dim) float32
+    seq: int = 0
+    model_id: str = ""                        # the model of `vectors`
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.doc_id)
+
+
+@dataclass(frozen=True)
+class WriteOutcome:
+    outcome: str          # applied | noop
+    stored_version: int
+    index_version: int
+    seq: int = 0          # the log position it was recorded at
+
+
+@dataclass
+class ShardInfo:
+    """What a shard says about itself: the build it serves, how far it has applied the write log,
+    its counts (of one tenant when asked for one), and optionally a digest of its live rows."""
+
+    shard_no: int
+    collection: str
+    build_id: str
+    corpus_version: str
+    model_id: str
+    index_version: int
+    applied_seq: int
+    documents: int
+    chunks: int
+    vectors: int
+    descriptor_json: str = ""
+    live_digest: str = ""
+    state: str = "serving"      # serving | catching_up
+    tombstone_ratio: float = 0.0
+    address: str = ""           # for replicas: which one answered
+    replicas: list = field(default_factory=list)  # a replica set: every replica's own ShardInfo
 
 
 @dataclass
@@ -76,6 +150,7 @@ class Candidate:
     score: float
     record: ChunkRecord
     shard: int
+    vector: Optional[np.ndarray] = None   # only from a fetch that asked for vectors
 
 
 @dataclass
@@ -87,6 +162,8 @@ class ShardResult:
     dense_ms: float = 0.0
     lexical_ms: float = 0.0
     index_version: int = 0      # moves on every write to the shard
+    applied_seq: int = 0        # the write-log position the answer reflects
+    batch_size: int = 1         # queries in the batched search that answered this one
 
 
 @dataclass

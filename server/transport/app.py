@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server.core import limits
-from server.core.search import SearchCore
+from server.core.service import SearchCore
 from server.rpc import search_pb2, shard_pb2
 from server.transport.auth import Authenticator
 from server.transport.errors import Lifecycle, add_service
@@ -32,6 +32,12 @@ class TLSConfig:
     cert: Path
     key: Path
     client_ca: Optional[Path] = None
+
+    @classmethod
+    def from_config(cls, listen) -> Optional["TLSConfig"]:
+        if bool(listen.tls_cert) != bool(listen.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        return cls(listen.tls_cert, listen.tls_key, listen.tls_client_ca) if listen.tls_cert else None
 
     def credentials(self) -> grpc.ServerCredentials:
         ca = self.client_ca.read_bytes() if self.client_ca else None
@@ -63,9 +69,16 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
-    core: object  # SearchCore, or the LocalShard of a shard server
+    core: object  # SearchCore (closed on stop), or None when the caller owns what it serves
     lifecycle: Lifecycle
     services: tuple = SERVICES
+    servicer: object = None  # a shard server's servicer (its shard is swapped on a build switch)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("",) + self.services:
+            await self.health.set(name, status)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Flip health to NOT_SERVING, answer new calls UNAVAILABLE, give in-flight calls `grace`
@@ -79,16 +92,16 @@ class RunningServer:
                         "UNAVAILABLE", late, grace)
         await self.lifecycle.quiesce()
         await self.server.stop(1.0)
-        close = getattr(self.core, "close", None)
-        if close is not None:
-            result = close()
-            if asyncio.iscoroutine(result):
-                await result
+        if self.core is not None:
+            await self.core.close()
 
 
 async def start_server(core: SearchCore, auth: Authenticator, host: str = "127.0.0.1",
-                       port: int = 0, tls: Optional[TLSConfig] = None) -> RunningServer:
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+                       port: int = 0, tls: Optional[TLSConfig] = None,
+                       reuse_port: bool = False) -> RunningServer:
+    """The public services on host:port. `reuse_port`: several front-end processes share the
+    port (SO_REUSEPORT, the kernel spreads connections over them)."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 1 if reuse_port else 0)])
     lifecycle = Lifecycle()
     add_service(server, SearchServicer(core, auth, lifecycle),
                 search_pb2.DESCRIPTOR.services_by_name["SearchService"])
@@ -107,23 +120,28 @@ async def start_server(core: SearchCore, auth: Authenticator, host: str = "127.0
 
 
 async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0,
-                             tls: Optional[TLSConfig] = None) -> RunningServer:
-    """Serve one shard over proto/shard.proto, with health and reflection."""
-    from server.transport.shard_rpc import ShardServicer
+                             tls: Optional[TLSConfig] = None, token: Optional[str] = None,
+                             status=None, serving: bool = True) -> RunningServer:
+    """Serve one shard over proto/shard.proto, with health and reflection. Callers must present
+    `token` (the shared router credential) unless mutual TLS authenticates them; neither is
+    allowed only on loopback. `serving=False` keeps health NOT_SERVING (catching up on the log)."""
+    from server.transport.shard_rpc import ShardAuth, ShardServicer
 
+    auth = ShardAuth.for_listener(host, token, tls is not None and tls.client_ca is not None)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     lifecycle = Lifecycle()
-    add_service(server, ShardServicer(shard, lifecycle),
-                shard_pb2.DESCRIPTOR.services_by_name["ShardService"])
+    servicer = ShardServicer(shard, lifecycle, auth, status)
+    add_service(server, servicer, shard_pb2.DESCRIPTOR.services_by_name["ShardService"])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SHARD_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                         server)
     bound = _listen(server, host, port, tls)
     await server.start()
-    for name in ("", SHARD_SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, bound, health_servicer, shard, lifecycle, (SHARD_SERVICE,))
+    running = RunningServer(server, bound, health_servicer, None, lifecycle, (SHARD_SERVICE,),
+                            servicer)
+    await running.set_serving(serving)
+    return running
 
 
 async def wait_for_signal_then_stop(running: RunningServer, grace: float = 5.0) -> None:
@@ -145,28 +163,23 @@ def start_metrics(host: str, metrics_port: Optional[int]) -> str:
     return f", metrics on http://{host}:{metrics_port}/metrics"
 
 
-async def serve_shard_forever(shard, host: str, port: int, metrics_port: Optional[int],
-                              tls: Optional[TLSConfig] = None, grace: float = 5.0) -> None:
-    note = start_metrics(host, metrics_port)
-    running = await start_shard_server(shard, host, port, tls)
-    print(f"shard server (shard {shard.shard_no} of {shard.desc.collection}/{shard.desc.build_id}) "
-          f"listening on {host}:{running.port}{note}", flush=True)
-    await wait_for_signal_then_stop(running, grace)
+
 
 
 async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: int,
                         metrics_port: Optional[int], ready_message: bool = True,
                         setup=None, tls: Optional[TLSConfig] = None,
-                        background: tuple = (), grace: float = 5.0) -> None:
-    """`background`: coroutines run for the server's life (alias watching, scheduled compaction)."""
+                        background: tuple = (), grace: float = 5.0, reuse_port: bool = False) -> None:
+    """`background`: coroutines run for the server's life (alias watching, scheduled compaction,
+    a router's build following)."""
     note = start_metrics(host, metrics_port)
     if setup is not None:  # e.g. connecting a router to its shard replicas, inside the loop
         await setup()
     await core.start()
-    running = await start_server(core, auth, host, port, tls)
+    running = await start_server(core, auth, host, port, tls, reuse_port)
     if ready_message:
         print(f"search-server listening on {host}:{running.port}{note}", flush=True)
-    tasks = [asyncio.get_running_loop().create_task(c) for c in background]
+    tasks = [asyncio.get_running_loop().create_task(c) for c in tuple(background) + tuple(core.background())]
     try:
         await wait_for_signal_then_stop(running, grace)
     finally:

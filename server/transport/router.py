@@ -1,19 +1,29 @@
-"""Wire a router to its shard servers: one ReplicaSet of RemoteShards per shard.
+"""Wire a router to its shard servers: one ReplicaSet of RemoteShards per shard, and keep it on
+the build its replicas serve.
 
-The router needs no copy of the index files: it reads each shard's release descriptor over
-ShardInfo and refuses to start unless every replica serves the same build of the same collection.
+The router needs no copy of the index files: it reads each replica's release descriptor over
+ShardInfo. At start it serves the build most replicas serve (the newest on a tie); replicas on
+another build are out of rotation. `follow_builds` re-reads every replica's ShardInfo and moves
+the router to a published build once every replica of every shard serves it, and puts replicas
+that came back to the router's build into rotation again.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from server.core.collection import ReleaseDescriptor
+from server.core.registry import LoadedCollection
 from server.core.replicas import HedgePolicy, ReplicaSet
-from server.core.search import LoadedCollection, SearchCore
-from server.errors import FailedPrecondition, Unavailable
+from server.core.service import SearchCore
+from server.errors import FailedPrecondition, SearchError, Unavailable
 from server.transport.shard_rpc import RemoteShard
+
+log = logging.getLogger(__name__)
 
 
 def load_topology(path: Path) -> tuple[str, list[list[str]]]:
@@ -25,33 +35,89 @@ def load_topology(path: Path) -> tuple[str, list[list[str]]]:
     return str(data["collection"]), [[str(a) for a in s] for s in shards]
 
 
+async def _read_infos(sets: Sequence[ReplicaSet], timeout: float, wait: bool) -> list[list]:
+    async def one(r):
+        try:
+            return await r.info(timeout=timeout, wait=wait)
+        except SearchError:
+            return None  # a replica that is down now is used once it is back
+
+    return [await asyncio.gather(*(one(r) for r in rs.replicas)) for rs in sets]
+
+
+def _choose_build(infos: list[list]) -> Optional[ReleaseDescriptor]:
+    votes: Counter = Counter()
+    descs: dict[str, ReleaseDescriptor] = {}
+    for shard in infos:
+        for info in shard:
+            if info is not None:
+                votes[info.build_id] += 1
+                descs.setdefault(info.build_id, ReleaseDescriptor.from_json(info.descriptor_json,
+                                                                            Path(info.address)))
+    if not votes:
+        return None
+    best = max(votes, key=lambda b: (votes[b], descs[b].created_at))
+    return descs[best]
+
+
 async def connect_router(core: SearchCore, collection: str, shard_replicas: Sequence[Sequence[str]],
                          policy: HedgePolicy = HedgePolicy(), timeout: float = 30.0,
-                         credentials=None) -> LoadedCollection:
-    """`credentials`: grpc channel credentials for TLS to the shards (None: plaintext)."""
-    sets, desc = [], None
-    for shard_no, addresses in enumerate(shard_replicas):
-        replicas = [RemoteShard(a, shard_no, credentials) for a in addresses]
-        for r in replicas:
-            try:
-                info = await r.info(timeout)
-            except Unavailable:
-                continue  # a replica that is down now is still used once it is back
-            d = ReleaseDescriptor.from_json(info.descriptor_json, Path(r.address))
-            if info.shard != shard_no or d.collection != collection:
-                raise FailedPrecondition(f"{r.address} serves shard {info.shard} of {d.collection!r}; "
-                                         f"the topology puts it at shard {shard_no} of {collection!r}")
-            if desc is None:
-                desc = d
-            elif (d.build_id, d.corpus_version) != (desc.build_id, desc.corpus_version):
-                raise FailedPrecondition(f"{r.address} serves build {d.build_id}; other shards serve "
-                                         f"{desc.build_id}: every shard must serve the same build")
-        sets.append(ReplicaSet(shard_no, replicas, policy))
+                         credentials=None, token: Optional[str] = None) -> LoadedCollection:
+    """`credentials`: grpc channel credentials for TLS to the shards (None: plaintext); `token`:
+    the shared router credential the shard servers require."""
+    sets = [ReplicaSet(n, [RemoteShard(a, n, credentials, token) for a in addresses], policy)
+            for n, addresses in enumerate(shard_replicas)]
+    infos = await _read_infos(sets, timeout, wait=True)
+    for n, shard in enumerate(infos):
+        for info in shard:
+            if info is not None and (info.shard_no != n or info.collection != collection):
+                raise FailedPrecondition(f"{info.address} serves shard {info.shard_no} of "
+                                         f"{info.collection!r}; the topology puts it at shard {n} "
+                                         f"of {collection!r}")
+    desc = _choose_build(infos)
     if desc is None:
         raise Unavailable("no shard replica answered ShardInfo")
     if desc.shards != len(sets):
         raise FailedPrecondition(f"build {desc.build_id} has {desc.shards} shards; the topology "
                                  f"lists {len(sets)}")
-    loaded = LoadedCollection(desc, sets)
+    _adopt(sets, infos, desc)
+    loaded = LoadedCollection(desc, sets, direct_writes=False)
     core.attach(loaded)
     return loaded
+
+
+def _adopt(sets: Sequence[ReplicaSet], infos: list[list], desc: ReleaseDescriptor) -> None:
+    for rs, shard in zip(sets, infos):
+        rs.build_id = desc.build_id
+        for i, info in enumerate(shard):
+            if info is not None:
+                rs.mark_build(i, info.build_id)
+                if info.build_id != desc.build_id:
+                    log.warning("shard %d replica %s serves build %s, not %s: out of rotation",
+                                rs.shard_no, info.address, info.build_id, desc.build_id)
+
+
+async def follow_builds(core: SearchCore, collection: str, interval: float = 2.0,
+                        timeout: float = 5.0) -> None:
+    """Re-read every replica's build; switch to a build once all replicas of every shard serve
+    it (a rollout finished), and keep out of rotation whatever serves another build."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            current = core.registry.get(collection)
+            sets = current.shards
+            infos = await _read_infos(sets, timeout, wait=False)
+            builds = {i.build_id for shard in infos for i in shard if i is not None}
+            complete = all(all(i is not None for i in shard) for shard in infos)
+            if complete and len(builds) == 1 and builds != {current.desc.build_id}:
+                desc = _choose_build(infos)
+                if desc.shards == len(sets):
+                    _adopt(sets, infos, desc)
+                    core.attach(LoadedCollection(desc, sets, direct_writes=False))
+                    core.pipeline.clear_cache()
+                    log.info("%s: every replica serves build %s now; the router follows it "
+                             "(was %s)", collection, desc.build_id, current.desc.build_id)
+                    continue
+            _adopt(sets, infos, current.desc)
+        except SearchError as exc:
+            log.warning("build follower for %s: %s", collection, exc)

@@ -1,20 +1,29 @@
 """The router-to-shard protocol: the shard servicer (shard server side) and `RemoteShard` (router
-side). RemoteShard implements the core's shard interface, so a ReplicaSet runs over it exactly as
-over a LocalShard. gRPC status codes are turned into domain errors here, in the transport layer."""
+side), which implements the complete shard interface (server/core/shard_api.py) over gRPC, so a
+ReplicaSet runs over it exactly as over a LocalShard. gRPC status codes are turned into domain
+errors here, in the transport layer.
+
+The shard port is not an open door: every call must carry the shared router credential
+(`authorization: Bearer <token>`, compared in constant time) unless mutual TLS already proved the
+caller; a shard server refuses to start on a non-loopback address with neither. It enforces the
+public API's limits itself (server/core/validation.py), whatever the router checked.
+"""
 from __future__ import annotations
 
-from typing import Optional
+import hmac
+import ipaddress
+from pathlib import Path
+from typing import Optional, Sequence
 
 import grpc
-import numpy as np
 
 from server import errors
-from server.backends.docstore import ChunkRecord
 from server.core import metrics
-from server.core.types import Candidate, Filter, ShardQuery, ShardResult
+from server.core.types import Candidate, FetchRequest, ShardInfo, ShardQuery, ShardWrite, WriteOutcome
 from server.rpc import shard_pb2 as spb
 from server.rpc import shard_pb2_grpc as spb_grpc
-from server.transport.errors import Lifecycle, boundary
+from server.transport import codec
+from server.transport.errors import Lifecycle, boundary, status_for
 
 FROM_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
@@ -26,95 +35,121 @@ FROM_STATUS = {
     grpc.StatusCode.CANCELLED: errors.Unavailable,
     grpc.StatusCode.DATA_LOSS: errors.IndexCorruptError,
     grpc.StatusCode.ABORTED: errors.CorpusVersionMismatch,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
 }
+CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def query_to_pb(q: ShardQuery) -> spb.ShardSearchRequest:
-    return spb.ShardSearchRequest(
-        build_id=q.build_id, tenant=q.tenant, model_id=q.model_id, text=q.text,
-        vector=q.vector.tolist() if q.vector is not None else [],
-        dense_depth=q.dense_depth, lexical_depth=q.lexical_depth, acl_scopes=list(q.acl_scopes),
-        text_top_n=q.text_top_n,
-        filters=[spb.ShardFilter(key=f.key, any_of=list(f.any_of), gte=f.gte or "", lte=f.lte or "")
-                 for f in q.filters])
+def read_token(path: Optional[Path]) -> Optional[str]:
+    if path is None:
+        return None
+    token = Path(path).read_text().strip()
+    if len(token) < 16:
+        raise ValueError(f"{path}: the router credential must be at least 16 characters")
+    return token
 
 
-def query_from_pb(r: spb.ShardSearchRequest) -> ShardQuery:
-    if not r.tenant:
-        raise errors.InvalidArgument("shard request without a tenant")
-    vector = np.asarray(r.vector, dtype=np.float32) if len(r.vector) else None
-    return ShardQuery(r.build_id, r.tenant, vector, r.model_id, r.text, r.dense_depth,
-                      r.lexical_depth,
-                      tuple(Filter(f.key, tuple(f.any_of), f.gte or None, f.lte or None)
-                            for f in r.filters), tuple(r.acl_scopes), r.text_top_n)
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
-def _hit_pb(c: Candidate, with_text: bool = True) -> spb.ShardHit:
-    with_text = with_text and c.record.text is not None
-    r = c.record
-    hit = spb.ShardHit(chunk_id=r.chunk_id, score=c.score, doc_id=r.doc_id, acl=list(r.acl),
-                       chunk_index=r.chunk_index, start_offset=r.start_offset,
-                       end_offset=r.end_offset, tenant=r.tenant, has_text=with_text, row=max(r.row, 0))
-    if with_text:
-        hit.text, hit.title = r.text, r.title
-        hit.metadata.update({str(k): str(v) for k, v in r.metadata.items()})
-    return hit
+class ShardAuth:
+    """Who may call a shard server: a router presenting the shared credential, or any client when
+    mutual TLS authenticated it at the handshake, or anyone on loopback when neither is set."""
 
+    def __init__(self, token: Optional[str], mutual_tls: bool):
+        self.token = token
+        self.mutual_tls = mutual_tls
 
-def result_to_pb(res: ShardResult, text_top_n: int = 0) -> spb.ShardSearchResponse:
-    def hits(cands):
-        return [_hit_pb(c, not text_top_n or i < text_top_n) for i, c in enumerate(cands)]
+    @classmethod
+    def for_listener(cls, host: str, token: Optional[str], mutual_tls: bool) -> "ShardAuth":
+        if token is None and not mutual_tls and not is_loopback(host):
+            raise ValueError(f"a shard server on {host} needs --shard-token-file (the shared router "
+                             "credential) or mutual TLS (--tls-client-ca): refusing to serve an open "
+                             "shard port beyond loopback")
+        return cls(token, mutual_tls)
 
-    return spb.ShardSearchResponse(dense=hits(res.dense), lexical=hits(res.lexical),
-                                   corpus_version=res.corpus_version, shard=res.shard,
-                                   dense_ms=res.dense_ms, lexical_ms=res.lexical_ms,
-                                   index_version=res.index_version)
-
-
-def result_from_pb(p: spb.ShardSearchResponse) -> ShardResult:
-    def cands(hits):
-        return [Candidate(h.chunk_id, h.score,
-                          ChunkRecord(h.row, h.chunk_id, h.doc_id, h.chunk_index, h.start_offset,
-                                      h.end_offset, h.title, h.text if h.has_text else None,
-                                      h.tenant, dict(h.metadata), tuple(h.acl)),
-                          p.shard) for h in hits]
-
-    return ShardResult(p.shard, p.corpus_version, cands(p.dense), cands(p.lexical), p.dense_ms,
-                       p.lexical_ms, p.index_version)
+    def check(self, metadata) -> None:
+        if self.token is None:
+            return
+        values = [v for k, v in (metadata or ()) if k == "authorization"]
+        if len(values) != 1:
+            raise errors.Unauthenticated("shard calls need the router credential "
+                                         "('authorization: Bearer <token>')")
+        value = values[0] if isinstance(values[0], str) else values[0].decode("latin-1")
+        scheme, _, presented = value.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(),
+                                                                 self.token.encode()):
+            raise errors.Unauthenticated("wrong router credential")
 
 
 class ShardServicer(spb_grpc.ShardServiceServicer):
-    """Serves one LocalShard (or a fault-injecting wrapper of one) to routers."""
+    """Serves one shard (a LocalShard, or a fault-injecting wrapper of one) to routers."""
 
-    def __init__(self, shard, lifecycle: Lifecycle):
+    def __init__(self, shard, lifecycle: Lifecycle, auth: ShardAuth, status=None):
         self.shard = shard
         self.lifecycle = lifecycle
+        self.auth = auth
+        self.status = status  # e.g. the log consumer: "catching_up" until it has caught up
 
     @boundary("SearchShard")
     async def SearchShard(self, request, context):
-        q = query_from_pb(request)
-        remaining = context.time_remaining()
-        result = await self.shard.search(q, remaining)
-        if result.dense_ms:  # the shard server's own per-stage histograms
-            metrics.RECENT.observe("dense", result.dense_ms / 1e3)
-        if result.lexical_ms:
-            metrics.RECENT.observe("lexical", result.lexical_ms / 1e3)
-        return result_to_pb(result, q.text_top_n)
+        self.auth.check(context.invocation_metadata())
+        if self.status is not None and self.status() == "catching_up":
+            raise errors.Unavailable(f"shard {self.shard.shard_no} is catching up on the write "
+                                     "log; ask another replica")
+        queries, answers = [], {}
+        for i, q in enumerate(request.queries):
+            try:
+                queries.append((i, codec.shard_query_from_pb(q)))
+            except errors.SearchError as exc:
+                answers[i] = exc
+        if queries:
+            results = await self.shard.search([q for _, q in queries], context.time_remaining())
+            for (i, q), r in zip(queries, results):
+                answers[i] = r
+        out = spb.ShardSearchResponse()
+        for i in range(len(request.queries)):
+            r = answers[i]
+            if isinstance(r, errors.SearchError):
+                out.results.add(code=status_for(r).value[0], message=str(r))
+                continue
+            if r.dense_ms:  # the shard server's own per-stage histograms
+                metrics.RECENT.observe("dense", r.dense_ms / 1e3)
+            if r.lexical_ms:
+                metrics.RECENT.observe("lexical", r.lexical_ms / 1e3)
+            out.results.append(codec.shard_result_to_pb(r, request.queries[i].text_top_n))
+        return out
 
     @boundary("FetchChunks")
     async def FetchChunks(self, request, context):
-        cands = await self.shard.fetch_chunks(request.build_id, request.tenant,
-                                              tuple(request.acl_scopes), list(request.rows),
-                                              context.time_remaining())
-        return spb.FetchChunksResponse(chunks=[_hit_pb(c) for c in cands])
+        self.auth.check(context.invocation_metadata())
+        cands = await self.shard.fetch(codec.fetch_from_pb(request), context.time_remaining())
+        return spb.FetchChunksResponse(chunks=[codec.hit_to_pb(c) for c in cands])
+
+    @boundary("ApplyWrites")
+    async def ApplyWrites(self, request, context):
+        self.auth.check(context.invocation_metadata())
+        if request.build_id and request.build_id != self.shard.desc.build_id:
+            raise errors.FailedPrecondition(f"shard {self.shard.shard_no} serves build "
+                                            f"{self.shard.desc.build_id}, not {request.build_id}")
+        writes = [codec.shard_write_from_pb(w) for w in request.writes]
+        outcomes = await self.shard.apply(writes, context.time_remaining())
+        return spb.ApplyWritesResponse(outcomes=[codec.outcome_to_pb(o) for o in outcomes])
 
     @boundary("ShardInfo")
     async def ShardInfo(self, request, context):
-        d = self.shard.desc
-        return spb.ShardInfoResponse(collection=d.collection, build_id=d.build_id,
-                                     shard=self.shard.shard_no, corpus_version=d.corpus_version,
-                                     model_id=d.model_id, chunks=self.shard.nrows,
-                                     descriptor_json=d.to_json())
+        self.auth.check(context.invocation_metadata())
+        info = await self.shard.info(request.tenant or None, request.digest)
+        if self.status is not None:
+            info.state = self.status()
+        return codec.info_to_pb(info)
 
 
 class RemoteShard:
@@ -122,40 +157,68 @@ class RemoteShard:
     assembly re-checks what the shard restricted."""
 
     def __init__(self, address: str, shard_no: int,
-                 credentials: Optional[grpc.ChannelCredentials] = None):
+                 credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None):
         self.address = address
         self.shard_no = shard_no
         options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                   ("grpc.max_send_message_length", 64 * 1024 * 1024),
                    ("grpc.keepalive_time_ms", 10_000)]
         self.channel = (grpc.aio.secure_channel(address, credentials, options) if credentials
                         else grpc.aio.insecure_channel(address, options))
         self.stub = spb_grpc.ShardServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
-    async def info(self, timeout: float = 10.0) -> spb.ShardInfoResponse:
-        try:
-            return await self.stub.ShardInfo(spb.ShardInfoRequest(), timeout=timeout,
-                                             wait_for_ready=True)
-        except grpc.aio.AioRpcError as err:
-            raise errors.Unavailable(f"shard replica {self.address}: {err.code().name} "
-                                     f"{err.details()}") from None
+    @property
+    def cache_version(self) -> Optional[int]:
+        return None  # a remote index version cannot be read without a call: no caching over it
 
-    async def search(self, query: ShardQuery, timeout: Optional[float] = None) -> ShardResult:
-        try:
-            resp = await self.stub.SearchShard(query_to_pb(query), timeout=timeout)
-        except grpc.aio.AioRpcError as err:
-            cls = FROM_STATUS.get(err.code(), errors.Unavailable)
-            raise cls(f"{self.address}: {err.code().name}: {err.details()}") from None
-        return result_from_pb(resp)
+    def _error(self, err: grpc.aio.AioRpcError) -> errors.SearchError:
+        cls = FROM_STATUS.get(err.code(), errors.Unavailable)
+        return cls(f"{self.address}: {err.code().name}: {err.details()}")
 
-    async def fetch_chunks(self, build_id, tenant, acl_scopes, rows, timeout=None):
-        req = spb.FetchChunksRequest(build_id=build_id, tenant=tenant, acl_scopes=list(acl_scopes),
-                                     rows=list(rows))
+    async def search(self, queries: Sequence[ShardQuery], timeout: Optional[float] = None) -> list:
+        req = spb.ShardSearchRequest(queries=[codec.shard_query_to_pb(q) for q in queries])
         try:
-            resp = await self.stub.FetchChunks(req, timeout=timeout)
+            resp = await self.stub.SearchShard(req, timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
-            cls = FROM_STATUS.get(err.code(), errors.Unavailable)
-            raise cls(f"{self.address}: {err.code().name}: {err.details()}") from None
-        return result_from_pb(spb.ShardSearchResponse(dense=resp.chunks, shard=self.shard_no)).dense
+            raise self._error(err) from None
+        out = []
+        for r in resp.results:
+            if r.code:
+                code = CODE_BY_VALUE.get(r.code, grpc.StatusCode.UNKNOWN)
+                out.append(FROM_STATUS.get(code, errors.Unavailable)(f"{self.address}: {r.message}"))
+            else:
+                out.append(codec.shard_result_from_pb(r))
+        if len(out) != len(queries):
+            raise errors.Unavailable(f"{self.address} answered {len(out)} of {len(queries)} queries")
+        return out
+
+    async def fetch(self, request: FetchRequest, timeout: Optional[float] = None) -> list[Candidate]:
+        try:
+            resp = await self.stub.FetchChunks(codec.fetch_to_pb(request), timeout=timeout,
+                                               metadata=self.metadata)
+        except grpc.aio.AioRpcError as err:
+            raise self._error(err) from None
+        return [codec.hit_from_pb(h, self.shard_no) for h in resp.chunks]
+
+    async def apply(self, writes: Sequence[ShardWrite], timeout: Optional[float] = None,
+                    build_id: str = "") -> list[WriteOutcome]:
+        req = spb.ApplyWritesRequest(build_id=build_id, writes=[codec.shard_write_to_pb(w) for w in writes])
+        try:
+            resp = await self.stub.ApplyWrites(req, timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as err:
+            raise self._error(err) from None
+        return [codec.outcome_from_pb(o) for o in resp.outcomes]
+
+    async def info(self, tenant: Optional[str] = None, digest: bool = False,
+                   timeout: Optional[float] = 10.0, wait: bool = False) -> ShardInfo:
+        try:
+            resp = await self.stub.ShardInfo(spb.ShardInfoRequest(tenant=tenant or "", digest=digest),
+                                             timeout=timeout, wait_for_ready=wait,
+                                             metadata=self.metadata)
+        except grpc.aio.AioRpcError as err:
+            raise self._error(err) from None
+        return codec.info_from_pb(resp, self.address)
 
     async def close(self) -> None:
         await self.channel.close()

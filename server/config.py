@@ -1,0 +1,365 @@
+"""One typed configuration for every process: each default is written once, here.
+
+The tree of dataclasses below is the whole configuration. Command-line flags are generated from it
+(`--field-name`, help from the field's metadata), and so are environment variables (`SEARCH_` +
+the field name in capitals, e.g. SEARCH_DATA_DIR) and the TOML file layout (`[section]`,
+`field = value`; see `search-server config --print`). Precedence, lowest first:
+defaults < --config FILE < environment < command-line flags.
+
+Tests and benchmarks build the same `ServerConfig` the CLI does (`ServerConfig()` plus overrides),
+so they run what production runs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+ENV_PREFIX = "SEARCH_"
+
+
+def opt(default: Any, help: str, **extra) -> Any:
+    """A configuration field: its default and the help text its flag shows."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **extra})
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class ListenConfig:
+    host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
+    port: int = opt(50051, "gRPC port (0 = an ephemeral port, printed at start)")
+    metrics_port: Optional[int] = opt(None, "serve Prometheus metrics over HTTP on this port")
+    log_level: str = opt("INFO", "logging level")
+    shutdown_grace_s: float = opt(5.0, "on SIGTERM: seconds in-flight calls get to finish (new calls "
+                                       "and calls still running after it are answered UNAVAILABLE, "
+                                       "which clients retry)")
+    max_inflight: int = opt(256, "admission control: requests beyond this many in flight get "
+                                 "RESOURCE_EXHAUSTED at once")
+    tls_cert: Optional[Path] = opt(None, "PEM certificate chain: serve TLS")
+    tls_key: Optional[Path] = opt(None, "PEM private key of --tls-cert")
+    tls_client_ca: Optional[Path] = opt(None, "require client certificates signed by this CA "
+                                              "(mutual TLS)")
+    workers: int = opt(1, "gRPC front-end processes on the port (SO_REUSEPORT) feeding one engine "
+                          "process that owns the indexes (serve only; 1 = everything in one process)")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = opt("auto", "where indexes and models run: auto, cpu or cuda")
+    faiss_threads: int = opt(1, "OpenMP threads per faiss call (requests already run in parallel; "
+                                "per-call OpenMP made a 20k Flat search 3.3x slower on 2 cores)")
+
+
+@dataclass
+class ModelConfig:
+    embedder: Optional[str] = opt(None, "local model directory of the query/passage embedder "
+                                        "(default: the packaged all-MiniLM-L6-v2; 'none': no "
+                                        "embedder, callers send vectors)")
+    embedder_name: Optional[str] = opt(None, "model name for the model id (default: the directory "
+                                             "name); the id must equal the collection's")
+    embedder_backend: str = opt("torch", "torch or onnx")
+    reranker: Optional[Path] = opt(None, "local directory of a Hugging Face cross-encoder (enables "
+                                         "rerank_depth)")
+    reranker_backend: str = opt("torch", "torch or onnx")
+    rerank_cap: int = opt(200, "largest rerank_depth accepted")
+    batch_max_size: Optional[int] = opt(None, "items per model call (default: 16 on CPU, where "
+                                              "padding makes larger batches slower per item; 64 on "
+                                              "CUDA)")
+    batch_max_wait_ms: float = opt(2.0, "a model batch closes this long after its first item")
+    embed_max_tokens: int = opt(16384, "tokens per embedding batch")
+    rerank_max_tokens: int = opt(32768, "tokens per reranking batch")
+    embedding_cache_size: int = opt(4096, "query embeddings kept (by model id and text)")
+
+    def max_batch(self, cuda: bool) -> int:
+        return self.batch_max_size or (64 if cuda else 16)
+
+
+@dataclass
+class PipelineConfig:
+    default_depth: int = opt(100, "candidates per retriever when a request names none")
+    default_rrf_k: int = opt(60, "reciprocal rank fusion constant when a request names none")
+    dedupe: bool = opt(True, "drop passages whose text repeats one already in the context")
+    retrieval_cache_size: int = opt(1024, "retrieval results kept (keyed by every shard's index "
+                                          "version, so a write invalidates them)")
+    text_top_n: Optional[int] = opt(None, "shards ship text for this many hits per list (default: "
+                                          "the assembly/rerank window)")
+    dense_feedback_docs: int = opt(5, "hybrid queries: fused hits whose vectors move the query "
+                                      "vector before a second dense search (0 = off; a request "
+                                      "may set its own)")
+    dense_feedback_weight: float = opt(0.6, "weight of those hits' mean against the query vector")
+
+
+@dataclass
+class EngineConfig:
+    batching: bool = opt(True, "coalesce concurrent queries of one shard into one faiss call")
+    max_batch: int = opt(64, "queries per faiss call")
+    dispatch_timeout_ms: float = opt(1.0, "a batch closes this long after its first query when "
+                                          "the index is busy (an idle index searches at once)")
+    dense_workers: int = opt(1, "faiss calls that may run at once per shard")
+    search_threads: int = opt(8, "threads for BM25, record reads and writes")
+
+
+@dataclass
+class StorageConfig:
+    data_dir: Path = opt(Path("data"), "directory holding the collections built by index-builder "
+                                       "(may be read-only)")
+    state_dir: Optional[Path] = opt(None, "where running shards write (BM25 segments and locks, "
+                                          "SQLite WAL, streaming writes); default: DATA_DIR/.state")
+    collection: list = opt([], "serve only these collections (repeatable; default: every "
+                               "published one)")
+    alias_poll_s: float = opt(2.0, "follow alias flips (index-builder publish) every N seconds; 0 "
+                                   "= never")
+    compact_interval_s: float = opt(0.0, "check every N seconds whether to compact (0 = only on "
+                                         "request)")
+    compact_min_tombstone_ratio: float = opt(0.2, "scheduled compaction runs when dead+orphan "
+                                                  "rows reach this share")
+
+    def resolved_state_dir(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else Path(self.data_dir) / ".state"
+
+
+@dataclass
+class AuthConfig:
+    tenant: str = opt("default", "the tenant every caller belongs to when authentication is off")
+    auth_tokens: Optional[Path] = opt(None, "JSON token file (server/transport/auth.py): callers "
+                                            "present 'authorization: Bearer <token>'; their tenant, "
+                                            "ACL scopes and roles come from it")
+    shard_token_file: Optional[Path] = opt(None, "file holding the shared router credential: shard "
+                                                 "servers require it from routers, routers send it")
+
+
+@dataclass
+class ShardConfig:
+    shard_collection: Optional[str] = opt(None, "collection this shard server serves",
+                                          flag="--collection")
+    shard: Optional[int] = opt(None, "shard number within the build")
+    build: Optional[str] = opt(None, "build id (default: the collection's live build, followed "
+                                     "when it changes)")
+    replica_id: Optional[str] = opt(None, "this replica's name (its durable log consumer); "
+                                          "default: HOSTNAME:PORT")
+    inject_delay_prob: float = opt(0.0, "fault injection (tests only): delay this share of searches")
+    inject_delay_ms: float = opt(0.0, "fault injection: the delay")
+    inject_fail_prob: float = opt(0.0, "fault injection: fail this share with UNAVAILABLE")
+    inject_hang_prob: float = opt(0.0, "fault injection: hang this share until the deadline")
+    inject_seed: Optional[int] = opt(None, "fault injection: random seed")
+
+
+@dataclass
+class RouterConfig:
+    topology: Optional[Path] = opt(None, 'JSON {"collection": NAME, "shards": [["host:port", ...], '
+                                         '...]}')
+    router_collection: Optional[str] = opt(None, "collection (with --replicas)", flag="--collection")
+    replicas: list = opt([], "comma-separated replica addresses of one shard; repeat in shard order")
+    hedge: bool = opt(True, "hedge slow shard calls to a second replica")
+    hedge_min_ms: float = opt(2.0, "earliest hedge delay")
+    hedge_max_ms: float = opt(200.0, "latest hedge delay")
+    hedge_budget: float = opt(0.10, "hedges per request on average (keep above 0.05: hedging at "
+                                    "p95 wants ~5%)")
+    hedge_burst: float = opt(10.0, "hedge tokens that can accumulate for a burst of slow calls")
+    shard_tls_ca: Optional[Path] = opt(None, "reach shards over TLS, trusting this CA")
+    shard_tls_cert: Optional[Path] = opt(None, "client certificate for mutual TLS to shards")
+    shard_tls_key: Optional[Path] = opt(None, "key of --shard-tls-cert")
+
+
+@dataclass
+class ReplicationConfig:
+    nats: list = opt([], "NATS server URLs of the JetStream write log (repeatable); none = the "
+                         "embedded default, which needs no broker")
+    stream_replicas: int = opt(1, "JetStream replicas of the write log (3 in production)")
+    apply_batch: int = opt(256, "log entries a replica applies per group commit")
+    publish_timeout_s: float = opt(5.0, "how long a write waits for the log to hold it")
+
+
+@dataclass
+class ServerConfig:
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    models: ModelConfig = field(default_factory=ModelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+
+    def replace(self, **sections: dict) -> "ServerConfig":
+        """A copy with some fields changed: cfg.replace(storage={"data_dir": p})."""
+        out = dataclasses.replace(self)
+        for name, changes in sections.items():
+            setattr(out, name, dataclasses.replace(getattr(self, name), **changes))
+        return out
+
+    def to_toml(self) -> str:
+        lines = []
+        types = _section_types()
+        for sec in fields(self):
+            lines.append(f"[{sec.name}]")
+            for f in fields(types[sec.name]):
+                value = getattr(getattr(self, sec.name), f.name)
+                text = _toml_value(value)
+                lines.append(f"{f.name} = {text}" if text is not None else f"# {f.name} = (unset)")
+            lines.append("")
+        return "\n".join(lines)
+
+
+# Which sections each command reads (its flags are generated from these).
+COMMAND_SECTIONS = {
+    "serve": ("listen", "device", "models", "pipeline", "engine", "storage", "auth"),
+    "shard": ("listen", "device", "engine", "storage", "auth", "shard", "replication"),
+    "router": ("listen", "device", "models", "pipeline", "auth", "router", "replication"),
+    "config": ("listen", "device", "models", "pipeline", "engine", "storage", "auth", "shard",
+               "router", "replication"),
+}
+COMMAND_DEFAULTS = {"shard": {"listen": {"port": 50061}}}
+SERVE_ONLY = {("listen", "workers"), ("storage", "collection")}
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(ServerConfig)
+    return {name: hints[name] for name in hints}
+
+
+def _field_types(section: type) -> dict[str, Any]:
+    return typing.get_type_hints(section)
+
+
+def _base_type(annotation) -> type:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def _toml_value(value) -> Optional[str]:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) or '""' for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def _coerce(annotation, value, where: str):
+    """A value from a file, the environment or a flag, as the field's type."""
+    if value is None:
+        return None
+    base = _base_type(annotation)
+    try:
+        if base is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(f"not a boolean: {value!r}")
+            return bool(value)
+        if base is list:
+            if isinstance(value, str):
+                return [v.strip() for v in value.split(",") if v.strip()]
+            return list(value)
+        if base is Path:
+            return Path(value)
+        if base in (int, float, str):
+            if isinstance(value, str) and value == "" and annotation is not str:
+                return None
+            return base(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return value
+
+
+def _flag(section: str, f: dataclasses.Field, command: str = "") -> str:
+    """A field's flag: its name, or the short alias a command knows it by (`--collection`), except
+    for `config`, which takes every section at once and so needs names that cannot clash."""
+    if command != "config" and f.metadata.get("flag"):
+        return f.metadata["flag"]
+    return "--" + f.name.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add the flags of every field of `command`'s sections (default: not given, so the merge
+    below can tell a flag from a default)."""
+    parser.add_argument("--config", type=Path, default=None,
+                        help="TOML configuration file (see `search-server config --print`)")
+    types = _section_types()
+    defaults = default_config(command)
+    for sec in COMMAND_SECTIONS[command]:
+        group = parser.add_argument_group(sec)
+        for f in fields(types[sec]):
+            if (sec, f.name) in SERVE_ONLY and command not in ("serve", "config"):
+                continue
+            annotation = _field_types(types[sec])[f.name]
+            base = _base_type(annotation)
+            default = getattr(getattr(defaults, sec), f.name)
+            help_text = f"{f.metadata.get('help', '')} [default: {default if default not in ([], None) else 'unset'}; env {ENV_PREFIX}{f.name.upper()}]"
+            dest = f"{sec}.{f.name}"
+            if base is bool:
+                group.add_argument(_flag(sec, f, command), dest=dest, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=help_text)
+            elif base is list:
+                group.add_argument(_flag(sec, f, command), dest=dest, action="append",
+                                   default=argparse.SUPPRESS, help=help_text)
+            else:
+                group.add_argument(_flag(sec, f, command), dest=dest, type=str, default=argparse.SUPPRESS,
+                                   help=help_text, metavar=f.name.upper())
+
+
+def default_config(command: str = "serve") -> ServerConfig:
+    cfg = ServerConfig()
+    for sec, changes in COMMAND_DEFAULTS.get(command, {}).items():
+        setattr(cfg, sec, dataclasses.replace(getattr(cfg, sec), **changes))
+    return cfg
+
+
+def load_config(command: str, args: Optional[argparse.Namespace] = None,
+                environ: Optional[dict] = None, config_file: Optional[Path] = None) -> ServerConfig:
+    """Defaults < TOML file < environment < flags, each value checked against its field's type."""
+    environ = os.environ if environ is None else environ
+    cfg = default_config(command)
+    types = _section_types()
+    values: dict[tuple[str, str], Any] = {}
+    path = config_file or (getattr(args, "config", None) if args is not None else None)
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"configuration file {path}: {exc}") from None
+        for sec, table in data.items():
+            if sec not in types or not isinstance(table, dict):
+                raise ValueError(f"configuration file {path}: unknown section [{sec}]")
+            known = {f.name for f in fields(types[sec])}
+            for key, value in table.items():
+                if key not in known:
+                    raise ValueError(f"configuration file {path}: unknown key {key!r} in [{sec}]")
+                values[(sec, key)] = (value, f"{path} [{sec}] {key}")
+    for sec in COMMAND_SECTIONS[command]:
+        for f in fields(types[sec]):
+            env = environ.get(ENV_PREFIX + f.name.upper())
+            if env is not None:
+                values[(sec, f.name)] = (env, f"environment {ENV_PREFIX}{f.name.upper()}")
+    if args is not None:
+        for dest, value in vars(args).items():
+            if "." in dest:
+                sec, name = dest.split(".", 1)
+                field_ = next(x for x in fields(types[sec]) if x.name == name)
+                values[(sec, name)] = (value, f"flag {_flag(sec, field_, command)}")
+    for (sec, name), (value, where) in values.items():
+        annotation = _field_types(types[sec])[name]
+        setattr(getattr(cfg, sec), name, _coerce(annotation, value, where))
+    return cfg

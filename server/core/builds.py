@@ -1,0 +1,251 @@
+"""Which build each collection serves, in the engine that owns the shards: loading, following
+alias flips, replaying writes into a new build, and compaction.
+
+A switch loads the new build, replays the current build's logged writes into it (version-checked,
+so idempotent; progress kept in the new build's state), then - with writes paused - replays the
+tail and swaps the registry entry. Each query resolves its collection once, so it sees one build.
+Rolling back is the same switch in the other direction. Writes logged with the new build's model
+are replayed with their own vectors; others are re-embedded, which needs that model here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from server.backends.device import Device
+from server.backends.docstore import DocStore, LoggedWrite
+from server.config import ServerConfig
+from server.core.chunking import Chunk, embed_text, shard_of
+from server.core.collection import CollectionStore, shard_dir_name
+from server.core.encoders import Encoders
+from server.core.engine.local import EnginePools, LocalShard
+from server.core.engine.state import check_writable, state_shard_dir
+from server.core.registry import CollectionRegistry, LoadedCollection
+from server.core.types import ShardWrite
+from server.core.writes import WritePath
+from server.errors import FailedPrecondition, SearchError
+
+log = logging.getLogger(__name__)
+
+
+class BuildManager:
+    RETIRE_AFTER_S = 60.0  # longer than any request's deadline
+
+    def __init__(self, config: ServerConfig, store: CollectionStore, registry: CollectionRegistry,
+                 encoders: Encoders, writes: WritePath, pools: EnginePools,
+                 device: Optional[Device] = None):
+        self.config = config
+        self.store = store
+        self.state_root = config.storage.resolved_state_dir()
+        self.registry = registry
+        self.encoders = encoders
+        self.writes = writes
+        self.pools = pools
+        self.device = device
+        self._retired: dict[tuple[str, str], tuple[asyncio.Task, LoadedCollection]] = {}
+        self.on_switch = None  # async callback(collection) after a switch (an engine tells its front ends)
+
+    # --- loading -----------------------------------------------------------------------------
+    def open_build(self, name: str, build_id: Optional[str] = None) -> LoadedCollection:
+        """Load every shard of a build (blocking)."""
+        build_id = build_id or self.store.live_build(name)
+        desc = self.store.descriptor(name, build_id)
+        build_dir = self.store.build_dir(name, build_id)
+        shards = []
+        try:
+            for i in range(desc.shards):
+                shards.append(LocalShard.open(desc, build_dir, self.state_root, i, self.device,
+                                              self.config.engine, self.pools,
+                                              self.config.replication.apply_batch))
+        except BaseException:
+            for s in shards:
+                s.close_sync()
+            raise
+        return LoadedCollection(desc, shards)
+
+    def load_all(self, names: Sequence[str] = ()) -> None:
+        check_writable(self.state_root)
+        for name in names or self.store.collections():
+            if self.store.writable:
+                self.store.sweep_abandoned(name)  # staging dirs of killed builds and compactions
+            loaded = self.open_build(name)
+            self.registry.put(loaded)
+            log.info("loaded %s build %s (%d shards, %d chunks, model %s)", name,
+                     loaded.desc.build_id, loaded.desc.shards, loaded.desc.chunks, loaded.desc.model_id)
+
+    async def start(self) -> None:
+        """Before serving: replay writes the live build may have missed (it was published while
+        the server was down, or the server stopped mid-switch)."""
+        for loaded in self.registry:
+            previous = self.store.alias(loaded.name).get("previous")
+            if previous and previous in self.store.builds(loaded.name):
+                await self.replay(loaded.name, previous, loaded)
+
+    def _retire(self, old: LoadedCollection) -> None:
+        """Queries that resolved the old build before the swap finish on it (a feedback round or
+        a text fetch may still reach it), so its shards close a while after the swap. Its BM25
+        writer is released at once (another engine may write that state: a rollback reuses it)."""
+        for s in old.shards:
+            s.index.lexical.close()
+
+        async def close_later():
+            await asyncio.sleep(self.RETIRE_AFTER_S)
+            self._retired.pop((old.name, old.desc.build_id), None)
+            await asyncio.gather(*(s.close() for s in old.shards))
+
+        task = asyncio.get_running_loop().create_task(close_later())
+        self._retired[(old.name, old.desc.build_id)] = (task, old)
+
+    def _reclaim(self, name: str, build_id: str) -> Optional[LoadedCollection]:
+        """A build retired moments ago (a quick rollback) is reused instead of loaded again."""
+        entry = self._retired.pop((name, build_id), None)
+        if entry is None:
+            return None
+        entry[0].cancel()
+        return entry[1]
+
+    def shard_for(self, name: str, build_id: str, shard_no: int):
+        """The shard of `build_id`: the live build's, or one retired moments ago (requests that
+        resolved it before a switch still finish on it)."""
+        live = self.registry.get(name)
+        if live.desc.build_id == build_id:
+            return live.shards[shard_no]
+        retired = self._retired.get((name, build_id))
+        return (retired[1] if retired is not None else live).shards[shard_no]
+
+    async def close(self) -> None:
+        """Close the builds retired by switches that have not closed yet (server shutdown)."""
+        for task, old in list(self._retired.values()):
+            task.cancel()
+            await asyncio.gather(*(s.close() for s in old.shards))
+        self._retired.clear()
+
+    # --- replay and switching ----------------------------------------------------------------
+    def _state_build_dir(self, name: str, build_id: str) -> Path:
+        return self.state_root / name / build_id
+
+    async def replay(self, name: str, source_build: str, target: LoadedCollection) -> int:
+        """Apply the source build's logged writes that the target has not seen yet (idempotent:
+        each is version-checked), recording progress in the target's state."""
+        from server.core.compaction import read_replay_marker, write_replay_marker
+
+        if source_build == target.desc.build_id:
+            return 0
+        tstate = check_writable(self._state_build_dir(name, target.desc.build_id))
+        marker = read_replay_marker(tstate, self.store.build_dir(name, target.desc.build_id))
+        done = marker.setdefault(source_build, {})
+        sdesc = self.store.descriptor(name, source_build)
+        applied = 0
+        loop = asyncio.get_running_loop()
+        for s in range(sdesc.shards):
+            path = state_shard_dir(self.state_root, name, source_build, shard_dir_name(s)) / "docstore.sqlite"
+            if not path.is_file():
+                continue  # that build never served here: it took no writes here
+            while True:
+                log_store = DocStore(path)
+                try:
+                    entries = await loop.run_in_executor(self.pools.cpu, log_store.write_log,
+                                                         done.get(str(s), 0), 1000)
+                finally:
+                    log_store.close()
+                if not entries:
+                    break
+                writes = [await self._replayable(e, target) for e in entries]
+                by_shard: dict[int, list[ShardWrite]] = {}
+                for w in writes:
+                    by_shard.setdefault(shard_of(w.tenant, w.doc_id, target.desc.shards), []).append(w)
+                outcomes = await asyncio.gather(*(target.shards[n].apply(ws)
+                                                  for n, ws in by_shard.items()))
+                applied += sum(o.outcome == "applied" for batch in outcomes for o in batch)
+                done[str(s)] = entries[-1].seq
+                write_replay_marker(tstate, marker)
+        return applied
+
+    async def _replayable(self, e: LoggedWrite, target: LoadedCollection) -> ShardWrite:
+        chunks = tuple(Chunk(i, a, b, t) for i, a, b, t in e.chunks)
+        if e.op == "delete" or not chunks:
+            return ShardWrite(e.op, e.tenant, e.doc_id, e.version, e.body, chunks, None)
+        if e.model_id == target.desc.model_id and e.vectors is not None:
+            return ShardWrite(e.op, e.tenant, e.doc_id, e.version, e.body, chunks, e.vectors)
+        if not self.encoders.can_embed(target.desc):
+            raise FailedPrecondition(
+                f"writes of model {e.model_id!r} must be re-embedded for build "
+                f"{target.desc.build_id} ({target.desc.model_id!r}); start a server with that model")
+        title = e.body.get("title", "")
+        vectors = await self.encoders.embed_many([embed_text(title, c.text) for c in chunks], target.desc)
+        return ShardWrite(e.op, e.tenant, e.doc_id, e.version, e.body, chunks, vectors)
+
+    async def switch_build(self, name: str, build_id: Optional[str] = None) -> dict:
+        """Serve `build_id` (default: the alias's live build) in place of the current build."""
+        old = self.registry.get(name)
+        build_id = build_id or self.store.live_build(name)
+        if build_id == old.desc.build_id:
+            return {"build_id": build_id, "replayed": 0, "switched": False}
+        loop = asyncio.get_running_loop()
+        new = self._reclaim(name, build_id) or await loop.run_in_executor(None, self.open_build,
+                                                                           name, build_id)
+        try:
+            replayed = await self.replay(name, old.desc.build_id, new)
+            async with self.writes.gate(name).exclusive():
+                replayed += await self.replay(name, old.desc.build_id, new)
+                self.registry.put(new)
+        except BaseException:
+            await asyncio.gather(*(s.close() for s in new.shards))
+            raise
+        log.info("%s now serves build %s (was %s; %d writes replayed)", name, build_id,
+                 old.desc.build_id, replayed)
+        self._retire(old)
+        if self.on_switch is not None:
+            await self.on_switch(name)
+        return {"build_id": build_id, "previous": old.desc.build_id, "replayed": replayed,
+                "switched": True}
+
+    async def compact(self, name: str, min_recall: float = 0.0) -> dict:
+        """Compact the live build into a new one, audit and reconcile it, publish it, switch."""
+        from server.core.audit import audit_build
+        from server.core.compaction import compact_build
+
+        coll = self.registry.get(name)
+        builds = self.store.collection_dir(name) / "builds"
+        check_writable(builds, "build directory")
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        before = {k: sum(s.index.states[k] for s in coll.shards) for k in ("live", "dead", "orphan")}
+        desc = await loop.run_in_executor(None, compact_build, self.store, coll)
+        audit = await loop.run_in_executor(None, lambda: audit_build(
+            self.store, name, desc.build_id, min_recall=min_recall))
+        if not (audit["passed"] and audit["reconciliation"]["passed"]):
+            raise FailedPrecondition(f"compacted build {desc.build_id} failed its checks: {audit}")
+        self.store.publish(name, desc.build_id)
+        switched = await self.switch_build(name, desc.build_id)
+        return {"build_id": desc.build_id, "previous": coll.desc.build_id, "rows_before": before,
+                "rows_after": desc.chunks, "replayed": switched["replayed"],
+                "seconds": time.perf_counter() - t0}
+
+    async def watch_aliases(self, interval: float) -> None:
+        """Follow alias flips made by `index-builder publish` (poll; a flip is one file rename)."""
+        while True:
+            await asyncio.sleep(interval)
+            for name in self.registry.names():
+                try:
+                    if self.store.live_build(name) != self.registry.get(name).desc.build_id:
+                        await self.switch_build(name)
+                except SearchError as exc:
+                    log.error("cannot switch %s to its published build: %s", name, exc)
+
+    async def compact_on_schedule(self, interval: float, min_tombstone_ratio: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            for coll in self.registry:
+                states = [s.index.states for s in coll.shards]
+                total = sum(sum(x.values()) for x in states) or 1
+                ratio = sum(x["dead"] + x["orphan"] for x in states) / total
+                if ratio >= min_tombstone_ratio:
+                    try:
+                        log.info("compacting %s (tombstone ratio %.2f)", coll.name, ratio)
+                        await self.compact(coll.name)
+                    except SearchError as exc:
+                        log.error("scheduled compaction of %s failed: %s", coll.name, exc)

@@ -1,0 +1,117 @@
+"""The models of a front end: query and passage embedding, and cross-encoder scoring, each behind
+its micro-batcher (server/core/batcher.py), with the query-embedding cache in front.
+
+Nothing here tokenizes on the event loop: a batch's cost is estimated from the text length, and
+the exact token count (for the "query was truncated" note) is taken on the model's device thread,
+only for texts long enough to be truncated at all.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+import numpy as np
+
+from server.config import ModelConfig
+from server.core import metrics
+from server.core.batcher import MicroBatcher
+from server.core.collection import ReleaseDescriptor
+from server.errors import FailedPrecondition
+
+
+class Encoders:
+    def __init__(self, embedder=None, reranker=None, config: ModelConfig = ModelConfig(),
+                 cuda: bool = False):
+        self.embedder = embedder
+        self.reranker = reranker
+        self.config = config
+        max_batch = config.max_batch(cuda)
+        self.embed_batcher = (MicroBatcher("embed", self._encode, max_batch, config.embed_max_tokens,
+                                           config.batch_max_wait_ms) if embedder is not None else None)
+        self.rerank_batcher = (MicroBatcher("rerank", reranker.score, max_batch,
+                                            config.rerank_max_tokens, config.batch_max_wait_ms)
+                               if reranker is not None else None)
+        self._cache: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+
+    @property
+    def model_id(self) -> Optional[str]:
+        return self.embedder.model_id if self.embedder is not None else None
+
+    def can_embed(self, desc: ReleaseDescriptor) -> bool:
+        return self.embedder is not None and self.embedder.model_id == desc.model_id
+
+    def check_model(self, desc: ReleaseDescriptor) -> None:
+        if self.embedder is None:
+            raise FailedPrecondition(f"this server has no embedder; collection {desc.collection!r} "
+                                     f"takes vectors of {desc.model_id!r} (send a query vector)")
+        if self.embedder.model_id != desc.model_id:
+            raise FailedPrecondition(f"the server's embedder {self.embedder.model_id!r} cannot embed "
+                                     f"for build {desc.build_id} ({desc.model_id!r}); send vectors of "
+                                     "that model")
+
+    def _estimate(self, text: str) -> int:
+        """Tokens, roughly (a word piece spans >= 1 character), for batch sizing only."""
+        return min(len(text) // 3 + 2, self.embedder.max_length)
+
+    def _encode(self, texts: Sequence[str]) -> list[tuple[np.ndarray, Optional[int]]]:
+        """On the device thread: vectors, and exact token counts of texts that may be truncated."""
+        vectors = self.embedder.encode(texts)
+        limit = self.embedder.max_length
+        long = [i for i, t in enumerate(texts) if len(t) + 2 > limit]
+        counts: list[Optional[int]] = [None] * len(texts)
+        if long:
+            for i, n in zip(long, self.embedder.count_tokens([texts[i] for i in long])):
+                counts[i] = n
+        return list(zip(vectors, counts))
+
+    async def embed(self, text: str, desc: ReleaseDescriptor, deadline: Optional[float] = None,
+                    notes: Optional[list[str]] = None, background: bool = False) -> np.ndarray:
+        """Embed through the cache (key: model id + sha256 of the text, shared by queries and
+        ingest) and the micro-batcher."""
+        self.check_model(desc)
+        key = (self.embedder.model_id, hashlib.sha256(text.encode()).hexdigest())
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            metrics.EMBED_CACHE.labels("hit").inc()
+            return cached
+        metrics.EMBED_CACHE.labels("miss").inc()
+        vec, tokens = await self.embed_batcher.submit(text, self._estimate(text), deadline, background)
+        if tokens is not None and tokens > self.embedder.max_length and notes is not None:
+            notes.append(f"query has {tokens} tokens; embedded its first {self.embedder.max_length}")
+        self._cache[key] = vec
+        if len(self._cache) > self.config.embedding_cache_size:
+            self._cache.popitem(last=False)
+        return vec
+
+    async def embed_many(self, texts: Sequence[str], desc: ReleaseDescriptor) -> np.ndarray:
+        """Passages being written: background class, so they never delay queries."""
+        if not texts:
+            return np.zeros((0, desc.dim), np.float32)
+        vecs = await asyncio.gather(*(self.embed(t, desc, background=True) for t in texts))
+        return np.vstack(vecs).astype(np.float32)
+
+    def can_rerank(self) -> bool:
+        return self.rerank_batcher is not None
+
+    async def rerank(self, query: str, passages: Sequence[str],
+                     deadline: Optional[float]) -> list[float]:
+        if self.rerank_batcher is None:
+            raise FailedPrecondition("rerank_depth was given but this server has no cross-encoder "
+                                     "(start it with --reranker DIR)")
+        return [float(s) for s in await asyncio.gather(*(
+            self.rerank_batcher.submit((query, p), (len(query) + len(p)) // 4 + 3, deadline)
+            for p in passages))]
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Blocking: call from a worker thread (context budgets)."""
+        if self.embedder is None:
+            raise FailedPrecondition("a context token budget needs the server's tokenizer (embedder)")
+        return self.embedder.count_tokens(texts)
+
+    async def close(self) -> None:
+        for b in (self.embed_batcher, self.rerank_batcher):
+            if b is not None:
+                await b.close()

@@ -1,0 +1,511 @@
+"""One shard of one build, as the engine owns it: the faiss index and exact vectors (read from the
+immutable build), the BM25 index and the chunk store (in the shard's writable state directory).
+
+Everything here is synchronous and thread-safe; the scheduler (scheduler.py) decides when and on
+which thread it runs. Searches take groups of queries that share one restriction, so the dense
+branch of the whole group is one faiss call with one selector.
+
+Restriction (tenant, ACL scopes, metadata filters, liveness) is decided by the chunk store and
+applied inside both searches, never after them:
+- dense: a bitmap selector (faiss IDSelectorBitmap) over the shard's rows; when the allowed set is
+  small (<= max(2,000 rows, 1% of the shard), capped at 20,000) it is searched exactly by brute
+  force over just those rows, and an ANN search that returns fewer results than the allowed set
+  could fill is redone exactly, so a tiny tenant or a selective filter still gets a full page;
+- a tenant with a dedicated index (built for tenants above a size threshold) is searched in it,
+  plus exactly over its rows added since the build;
+- lexical: MUST clauses on tenant, ACL and metadata terms (and the row set for range filters),
+  and every hit re-checked against the same mask.
+
+Writes are applied in groups (group commit) through the store's protocol: the new versions' chunks
+are written durable but invisible (pending), added to faiss and tantivy, then ONE SQLite
+transaction makes them live and the old ones dead, recording the write-log position applied. A
+crash before that transaction leaves the old versions served; recovery at load orphans pending
+rows and purges dead ones from the lexical index. A readers-writer lock makes each search group
+see one index version in both branches.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from server.backends.dense import DenseIndex, RowFilter, SearchKnobs, exact_search
+from server.backends.device import Device
+from server.backends.docstore import (PUBLIC_ACL, ChunkRecord, DocStore, FlipEntry,
+                                      chunk_fingerprint)
+from server.backends.lexical import LexicalIndex
+from server.core import metrics
+from server.core.chunking import chunk_id
+from server.core.collection import ReleaseDescriptor, shard_dir_name
+from server.core.engine.state import prepare, state_shard_dir
+from server.core.rwlock import RWLock
+from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
+                               ShardWrite, WriteOutcome)
+from server.errors import FailedPrecondition, IndexCorruptError, ModelMismatch
+
+log = logging.getLogger(__name__)
+
+
+class ShardVectors:
+    """Exact vectors by row: the build's vectors.npy (memory-mapped) plus rows added since."""
+
+    def __init__(self, base: Optional[np.ndarray], dim: int):
+        self.base = base
+        self.base_n = len(base) if base is not None else 0
+        self.added = np.zeros((0, dim), np.float32)
+
+    def append(self, vectors: np.ndarray) -> None:
+        self.added = np.concatenate([self.added, np.asarray(vectors, np.float32)])
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows)
+        if self.base is None:
+            raise LookupError("this build has no vectors.npy")
+        if len(rows) and rows.max() < self.base_n:
+            return np.asarray(self.base[rows])
+        out = np.empty((len(rows), self.added.shape[1]), np.float32)
+        low = rows < self.base_n
+        out[low] = self.base[rows[low]]
+        out[~low] = self.added[rows[~low] - self.base_n]
+        return out
+
+
+class ShardIndex:
+    MASK_CACHE = 64
+    # Brute force over the allowed rows when they are few: below ~1% of the shard a graph or
+    # inverted-list search with a selector returns short or wrong pages, and a scan of <= 2,000
+    # rows costs ~0.2 ms. Above that, ANN with the selector is 5-25x faster at recall ~0.99
+    # (bench/bench_tenants.py), and a short page still falls back to exact.
+    EXACT_MIN_ROWS = 2_000
+    EXACT_MAX_FRACTION = 0.01
+    EXACT_MAX_ROWS = 20_000
+
+    def __init__(self, desc: ReleaseDescriptor, build_dir: Path, state_root: Path, shard_no: int,
+                 device: Optional[Device] = None):
+        self.desc = desc
+        self.shard_no = shard_no
+        name = shard_dir_name(shard_no)
+        self.build_dir = Path(build_dir) / name
+        self.directory = self.build_dir
+        self.state_dir = prepare(self.build_dir, state_shard_dir(state_root, desc.collection,
+                                                                 desc.build_id, name))
+        knobs = SearchKnobs(**desc.search_defaults) if desc.search_defaults else SearchKnobs()
+        files = desc.shard_files.get(name, {})
+        self.dense = DenseIndex.load(self.build_dir, desc.metric, files, knobs, device, shard_no)
+        if self.dense.dim != desc.dim:
+            raise FailedPrecondition(f"{self.build_dir}: index dim {self.dense.dim} != descriptor {desc.dim}")
+        self.tenant_dense: dict[str, DenseIndex] = {}
+        for tenant in desc.dedicated_tenants.get(name, []):
+            tdir = self.build_dir / "tenants" / tenant
+            self.tenant_dense[tenant] = DenseIndex.load(tdir, desc.metric, files.get(f"tenants/{tenant}"),
+                                                        knobs, device, shard_no)
+        vectors_path = self.build_dir / "vectors.npy"
+        self.vectors = ShardVectors(np.load(vectors_path, mmap_mode="r") if vectors_path.is_file()
+                                    else None, desc.dim)
+        self.lexical = LexicalIndex.open(self.state_dir / "lexical")
+        self.store = DocStore(self.state_dir / "docstore.sqlite")
+        self._rw = RWLock()
+        self._write_mutex = threading.Lock()
+        self._masks: OrderedDict[tuple, np.ndarray] = OrderedDict()  # static part, by key
+        self._filters: dict[tuple, tuple[int, RowFilter]] = {}       # (generation, filter)
+        self._masks_lock = threading.Lock()
+        self.generation = 0
+        self.recovered = self._recover()
+        self._load_counts()
+
+    @property
+    def nrows(self) -> int:
+        return len(self.live)
+
+    def _exact_limit(self) -> int:
+        return min(self.EXACT_MAX_ROWS, max(self.EXACT_MIN_ROWS, int(self.EXACT_MAX_FRACTION * self.nrows)))
+
+    # --- load-time recovery ------------------------------------------------------------------
+    def _recover(self) -> dict:
+        """Rebuild in-memory state from the store (the authority) after any stop, clean or not."""
+        orphaned = self.store.orphan_pending()
+        base_n = self.dense.ntotal
+        rows, ids, vecs = self.store.added_vectors(base_n)
+        if len(rows):
+            if not np.array_equal(rows, np.arange(base_n, base_n + len(rows))):
+                raise IndexCorruptError(f"{self.state_dir}: added rows are not contiguous from {base_n}")
+            self.dense.add(vecs, ids)
+            self.vectors.append(vecs)
+        purge = self.store.unpurged()
+        self.lexical.delete_rows(purge)
+        self.store.mark_purged(purge)
+        self.live = np.zeros(self.dense.ntotal, dtype=bool)
+        self.live[self.store.live_rows()] = True
+        self.text_hash = np.zeros(self.dense.ntotal, dtype=np.int64)
+        for row, th in self.store._conn().execute("SELECT row, text_hash FROM chunks"):
+            if row < len(self.text_hash):
+                self.text_hash[row] = th
+        # a shard that took streaming writes is checked row by row (a count can balance an extra
+        # row against a missing one); an untouched build was reconciled by its audit
+        touched = len(rows) > 0 or self.store.last_write_seq() > 0
+        repaired = self.check_lexical("at load", full=touched)
+        return {"orphaned": orphaned, "replayed_rows": int(len(rows)), "purged": len(purge),
+                "lexical_repaired": repaired}
+
+    def _load_counts(self) -> None:
+        self.tenant_counts = self.store.tenants()
+        self.acl_restricted = self.store.restricted_acl_rows()
+        self.states = self.store.row_states()
+        self.index_version = self.store.index_version()
+        # a compacted build includes the write log up to where its snapshot was taken
+        self.applied_seq = max(self.store.applied_seq(),
+                               int(self.desc.log_positions.get(shard_dir_name(self.shard_no), 0)))
+        self._publish_counts()
+
+    def _publish_counts(self) -> None:
+        total = max(1, sum(self.states.values()))
+        labels = (self.desc.collection, str(self.shard_no))
+        metrics.TOMBSTONE_RATIO.labels(*labels).set((self.states["dead"] + self.states["orphan"]) / total)
+        metrics.ORPHANS.labels(*labels).set(self.states["orphan"])
+        metrics.APPLIED_SEQ.labels(*labels).set(self.applied_seq)
+
+    def check_lexical(self, when: str, full: bool = False) -> int:
+        """Invariant 7: the BM25 index holds exactly the live rows. Checked by count after every
+        write group, row by row at load; on a mismatch the index is repaired (extra rows deleted,
+        missing live rows re-added from the store). Returns the rows repaired."""
+        live = int(self.live.sum())
+        if not full and self.lexical.num_docs() == live:
+            return 0
+        indexed = np.asarray(self.lexical.indexed_rows(), dtype=np.int64)
+        in_range = indexed < self.nrows
+        extra = np.concatenate([indexed[~in_range], indexed[in_range][~self.live[indexed[in_range]]]])
+        present = np.zeros(self.nrows, dtype=bool)
+        present[indexed[in_range]] = True
+        missing = np.flatnonzero(self.live & ~present)
+        if not len(extra) and not len(missing):
+            return 0
+        metrics.LEXICAL_REPAIRS.labels(self.desc.collection, str(self.shard_no)).inc(
+            len(extra) + len(missing))
+        log.error("shard %d (%s): BM25 index disagreed with the store %s: %d extra, %d missing "
+                  "rows; repaired", self.shard_no, self.state_dir, when, len(extra), len(missing))
+        self.lexical.delete_rows(extra.tolist())
+        if len(missing):
+            records = self.store.fetch(missing.tolist())
+            self.lexical.add_committed((r.row, r.title, r.text, r.tenant, r.metadata, r.acl)
+                                       for r in records.values())
+        return int(len(extra) + len(missing))
+
+    # --- restriction -------------------------------------------------------------------------
+    def row_filter(self, tenant: str, filters, scopes: tuple) -> Optional[RowFilter]:
+        """None when every row is eligible (the single-tenant, public, unfiltered, no-tombstone
+        fast path). Otherwise the static mask (tenant/ACL/filters: rows never change) is cached and
+        ANDed with the live bitmap; the result is cached until the next write."""
+        n_live = sum(self.tenant_counts.values())
+        if (not filters and set(self.tenant_counts) <= {tenant} and not self.acl_restricted.get(tenant)
+                and n_live == self.nrows):
+            return None
+        key = (tenant, scopes, filters)
+        with self._masks_lock:
+            cached = self._filters.get(key)
+            if cached is not None and cached[0] == self.generation:
+                return cached[1]
+            static = self._masks.get(key)
+        if static is None or len(static) < self.nrows:
+            first = 0 if static is None else len(static)
+            more = self.store.allowed_mask(self.nrows, tenant, filters, scopes, live_only=False,
+                                           first_row=first)
+            static = more if static is None else np.concatenate([static, more])
+        rf = RowFilter(static[:self.nrows] & self.live)
+        with self._masks_lock:
+            self._masks[key] = static
+            self._masks.move_to_end(key)
+            while len(self._masks) > self.MASK_CACHE:
+                old, _ = self._masks.popitem(last=False)
+                self._filters.pop(old, None)
+            self._filters[key] = (self.generation, rf)
+        return rf
+
+    # --- dense -------------------------------------------------------------------------------
+    def dense_search(self, queries: np.ndarray, k: int, tenant: str,
+                     allowed: Optional[RowFilter]) -> list[list[tuple[int, float]]]:
+        """(row, score) best first for each query, only allowed rows; one batched faiss call."""
+        nq = len(queries)
+        if allowed is not None and allowed.count == 0:
+            return [[] for _ in range(nq)]
+        exact_ok = self.vectors.base is not None
+        metric = self.desc.metric
+        sub = self.tenant_dense.get(tenant)
+        if sub is not None:
+            out = self._dedicated_search(sub, queries, k, allowed, exact_ok)
+            if out is not None:
+                return out
+        if allowed is not None and exact_ok and allowed.count <= self._exact_limit():
+            return [list(zip(r.tolist(), s.tolist()))
+                    for s, r in exact_search(self.vectors, allowed.rows, queries, k, metric)]
+        scores, rows = self.dense.search(queries, k, allowed)
+        found = [[(int(r), float(s)) for r, s in zip(rr, ss) if r >= 0] for rr, ss in zip(rows, scores)]
+        want = min(k, allowed.count if allowed is not None else self.nrows)
+        short = [i for i, f in enumerate(found) if len(f) < want]
+        if short and allowed is not None and exact_ok:
+            redo = exact_search(self.vectors, allowed.rows, queries[short], k, metric)
+            for i, (s, r) in zip(short, redo):
+                found[i] = list(zip(r.tolist(), s.tolist()))
+        return found
+
+    def _dedicated_search(self, sub: DenseIndex, queries: np.ndarray, k: int,
+                          allowed: Optional[RowFilter], exact_ok: bool):
+        """A tenant's own index holds its rows of the build; rows it wrote since are searched
+        exactly and merged. None: use the shared path instead (a small allowed set)."""
+        sub_mask = allowed.mask[sub.row_ids] if allowed is not None else None
+        sub_filter = None if sub_mask is None or sub_mask.all() else RowFilter(sub_mask)
+        if sub_filter is not None and sub_filter.count <= self._exact_limit() and exact_ok:
+            return None
+        scores, rows = sub.search(queries, k, sub_filter)
+        found = [[(int(sub.row_ids[r]), float(s)) for r, s in zip(rr, ss) if r >= 0]
+                 for rr, ss in zip(rows, scores)]
+        base_n = self.vectors.base_n
+        if allowed is not None and self.nrows > base_n and exact_ok:
+            newer = allowed.rows[allowed.rows >= base_n]
+            if len(newer):
+                extra = exact_search(self.vectors, newer, queries, k, self.desc.metric)
+                found = [sorted(f + list(zip(r.tolist(), s.tolist())), key=lambda x: -x[1])[:k]
+                         for f, (s, r) in zip(found, extra)]
+        want = min(k, sub_filter.count if sub_filter else sub.ntotal)
+        short = [i for i, f in enumerate(found) if len(f) < want]
+        if short and allowed is not None and exact_ok:
+            redo = exact_search(self.vectors, allowed.rows, queries[short], k, self.desc.metric)
+            for i, (s, r) in zip(short, redo):
+                found[i] = list(zip(r.tolist(), s.tolist()))
+        return found
+
+    # --- search ------------------------------------------------------------------------------
+    def check_query(self, q: ShardQuery) -> None:
+        if q.build_id != self.desc.build_id:
+            raise FailedPrecondition(f"shard {self.shard_no} serves build {self.desc.build_id}, "
+                                     f"not {q.build_id}")
+        if q.vector is not None and q.model_id != self.desc.model_id:
+            raise ModelMismatch(f"query vector is from model {q.model_id!r}; this build serves "
+                                f"{self.desc.model_id!r}")
+
+    def search_group(self, queries: Sequence[ShardQuery], lexical_map=map) -> list[ShardResult]:
+        """Answer queries that share one restriction: one faiss call for all their vectors, one
+        BM25 search each (through `lexical_map`, e.g. a thread pool's map: tantivy releases the
+        GIL), one store read for every record any of them may show."""
+        q0 = queries[0]
+        scopes = tuple(sorted(set(q0.acl_scopes) | {PUBLIC_ACL}))
+        filters = tuple(q0.filters)
+        n = len(queries)
+        with self._rw.read():  # every branch of every query sees one index version
+            index_version, applied = self.index_version, self.applied_seq
+            allowed = self.row_filter(q0.tenant, filters, scopes)
+            dense: list[list] = [[] for _ in range(n)]
+            dense_ms = lexical_ms = 0.0
+            with_vec = [i for i, q in enumerate(queries) if q.vector is not None]
+            if with_vec:
+                t0 = time.perf_counter()
+                k = max(queries[i].dense_depth for i in with_vec)
+                found = self.dense_search(np.stack([queries[i].vector for i in with_vec]), k,
+                                          q0.tenant, allowed)
+                for i, f in zip(with_vec, found):
+                    dense[i] = f[:queries[i].dense_depth]
+                dense_ms = (time.perf_counter() - t0) * 1e3
+            lexical: list[list] = [[] for _ in range(n)]
+            with_text = [i for i, q in enumerate(queries) if q.text]
+            if with_text:
+                t0 = time.perf_counter()
+                ranged = any(f.is_range for f in filters)
+                rows = allowed.rows.tolist() if ranged and allowed is not None else None
+                equal = [(f.key, f.any_of) for f in filters if f.any_of]
+
+                def bm25(i):
+                    q = queries[i]
+                    s, r = self.lexical.search(q.text, q.lexical_depth, q.tenant, equal, scopes, rows)
+                    return list(zip(r, s))
+
+                for i, hits in zip(with_text, lexical_map(bm25, with_text)):
+                    lexical[i] = hits
+                lexical_ms = (time.perf_counter() - t0) * 1e3
+            # read records (text, offsets) only for the hits a router may show; the rest travel
+            # as row, chunk id and text fingerprint, fetched later if the answer needs them
+            wanted: set[int] = set()
+            for q, d, l in zip(queries, dense, lexical):
+                top = q.text_top_n or None
+                wanted.update(r for r, _ in d[:top])
+                wanted.update(r for r, _ in l[:top])
+            records = self.store.fetch(sorted(wanted))
+            live = self.live
+            text_hash = self.text_hash
+            row_ids = self.dense.row_ids
+        out = []
+        for q, d, l in zip(queries, dense, lexical):
+            top = q.text_top_n or None
+            out.append(ShardResult(
+                self.shard_no, self.desc.corpus_version,
+                self._candidates(d, top, records, q.tenant, scopes, allowed, live, text_hash, row_ids),
+                self._candidates(l, top, records, q.tenant, scopes, allowed, live, text_hash, row_ids),
+                dense_ms, lexical_ms, index_version, applied, n))
+        return out
+
+    def _candidates(self, pairs, top, records, tenant, scopes, allowed, live, text_hash, row_ids):
+        out = []
+        readable = set(scopes)
+        for i, (row, score) in enumerate(pairs):
+            if top is not None and i >= top:
+                # visibility of an unread row: the mask (or, on the fast path, liveness) that the
+                # search itself used; its record is read, and re-checked, if it is fetched
+                if (allowed is not None and not allowed.mask[row]) or not live[row]:
+                    continue
+                cid = int(row_ids[row])
+                out.append(Candidate(cid, score, ChunkRecord(row, cid, "", 0, 0, 0, "", None, tenant,
+                                                             {}, (), int(text_hash[row])),
+                                     self.shard_no))
+                continue
+            rec = records.get(row)
+            # re-check against the store, the authority on visibility (fetch returns live rows)
+            if (rec is None or rec.tenant != tenant or not readable.intersection(rec.acl)
+                    or (allowed is not None and not allowed.mask[row])):
+                continue
+            out.append(Candidate(rec.chunk_id, score, rec, self.shard_no))
+        return out
+
+    def fetch(self, req: FetchRequest) -> list[Candidate]:
+        """Records of rows still live and visible to the caller (rows identify chunk versions)."""
+        if req.build_id != self.desc.build_id:
+            raise FailedPrecondition(f"shard {self.shard_no} serves build {self.desc.build_id}, "
+                                     f"not {req.build_id}")
+        scopes = set(req.acl_scopes) | {PUBLIC_ACL}
+        with self._rw.read():
+            records = self.store.fetch([r for r in req.rows if r < self.nrows])
+            out = [Candidate(r.chunk_id, 0.0, r, self.shard_no) for r in records.values()
+                   if r.tenant == req.tenant and scopes.intersection(r.acl)]
+            if req.with_vectors and out and self.vectors.base is not None:
+                vecs = self.vectors[np.array([c.record.row for c in out], dtype=np.int64)]
+                for c, v in zip(out, vecs):
+                    c.vector = np.asarray(v, np.float32)
+        return out
+
+    # --- writes ------------------------------------------------------------------------------
+    def apply_writes(self, writes: Sequence[ShardWrite]) -> list[WriteOutcome]:
+        """Apply writes in order, in groups: one pending insert, one faiss add, one BM25 commit
+        and one visibility flip per group (a document written twice in one call splits it).
+        Idempotent: a version not above the stored one is a no-op that still counts as applied
+        for the write-log position."""
+        out: list[WriteOutcome] = []
+        with self._write_mutex:
+            start = 0
+            while start < len(writes):
+                keys, end = set(), start
+                while end < len(writes) and writes[end].key not in keys:
+                    keys.add(writes[end].key)
+                    end += 1
+                out.extend(self._apply_group(writes[start:end]))
+                start = end
+        return out
+
+    def _apply_group(self, writes: Sequence[ShardWrite]) -> list[WriteOutcome]:
+        stored = self.store.documents_of([w.key for w in writes])
+        fresh = [w for w in writes if not (w.key in stored and stored[w.key][0] >= w.version)]
+        records: list[ChunkRecord] = []
+        versions: list[int] = []
+        new_rows: dict[int, list[int]] = {}
+        first = self.store.next_row()
+        if first != self.nrows:
+            raise FailedPrecondition(f"shard {self.shard_no}: store expects row {first}, index has "
+                                     f"{self.nrows}")
+        row = first
+        for w in fresh:
+            if w.op != "upsert" or not len(w.chunks):
+                continue
+            title = w.body.get("title", "")
+            acl = tuple(w.body.get("acl") or ()) or (PUBLIC_ACL,)
+            meta = w.body.get("metadata") or {}
+            rows = []
+            for c in w.chunks:
+                records.append(ChunkRecord(row, chunk_id(w.tenant, w.doc_id, c.index), w.doc_id,
+                                           c.index, c.start, c.end, title, c.text, w.tenant, meta,
+                                           acl, chunk_fingerprint(title, c.text)))
+                versions.append(w.version)
+                rows.append(row)
+                row += 1
+            new_rows[id(w)] = rows
+        if records:
+            x = np.vstack([w.vectors for w in fresh if id(w) in new_rows]).astype(np.float32)
+            self.store.insert_pending(records, versions, x)  # durable, invisible
+            crash_point("after_pending")
+            with self._rw.write():  # faiss adds must not run beside searches
+                self.dense.add(x, [r.chunk_id for r in records])
+                self.vectors.append(x)
+                self.live = np.concatenate([self.live, np.zeros(len(records), bool)])
+                self.text_hash = np.concatenate([self.text_hash, [r.text_hash for r in records]])
+                self.states["pending"] += len(records)
+            crash_point("after_dense")
+            # BM25 add + commit outside the lock: the rows are pending, masked from every search
+            self.lexical.add_committed((r.row, r.title, r.text, r.tenant, r.metadata, r.acl)
+                                       for r in records)
+            crash_point("after_lexical")
+        entries = [FlipEntry(w.op, w.tenant, w.doc_id, w.version, new_rows.get(id(w), []), w.body,
+                             [(c.index, c.start, c.end, c.text) for c in w.chunks],
+                             w.vectors if id(w) in new_rows else None,
+                             w.model_id or self.desc.model_id, w.seq)
+                   for w in fresh]
+        seqs = [w.seq for w in writes if w.seq]
+        applied_seq = max(seqs) if seqs else None
+        by_row = {r.row: r for r in records}
+        with self._rw.write():
+            deads = self.store.flip(entries, applied_seq)  # THE flip
+            dead_rows: list[int] = []
+            for e, dead in zip(entries, deads):
+                if dead is None:
+                    continue
+                rows = [r for r, _ in dead]
+                self.live[rows] = False
+                self.live[e.new_rows] = True
+                t = e.tenant
+                self.tenant_counts[t] = self.tenant_counts.get(t, 0) + len(e.new_rows) - len(rows)
+                restricted = (sum(1 for r in e.new_rows if by_row[r].acl != (PUBLIC_ACL,))
+                              - sum(1 for _, public in dead if not public))
+                self.acl_restricted[t] = self.acl_restricted.get(t, 0) + restricted
+                self.states["live"] += len(e.new_rows) - len(rows)
+                self.states["pending"] -= len(e.new_rows)
+                self.states["dead"] += len(rows)
+                dead_rows.extend(rows)
+            for t in [t for t, c in self.tenant_counts.items() if c <= 0]:
+                del self.tenant_counts[t]
+            if any(d is not None for d in deads):
+                self.index_version += 1
+            if applied_seq is not None:
+                self.applied_seq = max(self.applied_seq, applied_seq)
+            self.generation += 1
+            self._publish_counts()
+        crash_point("after_flip")
+        self.lexical.delete_rows(dead_rows)
+        self.store.mark_purged(dead_rows)
+        self.check_lexical("after a write")
+        applied = {id(w) for w, dead in zip(fresh, deads) if dead is not None}
+        return [WriteOutcome("applied", w.version, self.index_version, w.seq) if id(w) in applied
+                else WriteOutcome("noop", stored.get(w.key, (w.version,))[0], self.index_version, w.seq)
+                for w in writes]
+
+    # --- description -------------------------------------------------------------------------
+    def info(self, tenant: Optional[str] = None, digest: bool = False) -> ShardInfo:
+        counts = self.store.counts(tenant)
+        total = max(1, sum(self.states.values()))
+        return ShardInfo(
+            self.shard_no, self.desc.collection, self.desc.build_id, self.desc.corpus_version,
+            self.desc.model_id, self.index_version, self.applied_seq, counts["documents"],
+            counts["chunks"], counts["chunks"] if tenant is not None else self.nrows,
+            self.desc.to_json(), self.store.live_digest() if digest else "", "serving",
+            (self.states["dead"] + self.states["orphan"]) / total)
+
+    def close(self) -> None:
+        self.lexical.close()
+        self.store.close()
+
+
+def crash_point(name: str) -> None:
+    """Tests only: SEARCH_TEST_CRASH_POINT=<name> kills this process (SIGKILL) at that point of a
+    write, to prove every window of the replace protocol is safe. Unset in every real deployment."""
+    if os.environ.get("SEARCH_TEST_CRASH_POINT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,170 @@
+"""`LocalShard`: the shard engine in this process - one ShardIndex, its search scheduler and its
+write queue - behind the complete shard interface (server/core/shard_api.py).
+
+The engine owns its index and device: searches reach the index only through the scheduler's
+batches, writes only through the write queue's group commits. Threads: `device` runs the batched
+searches (`dense_workers` of them, faiss with its configured OpenMP threads), the shared `cpu`
+pool runs BM25 searches, record reads and descriptions, and one writer thread per shard applies
+write groups in order. Nothing here blocks the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from server.backends.device import Device, faiss_threads_initializer
+from server.config import EngineConfig
+from server.core.engine.index import ShardIndex
+from server.core.engine.scheduler import SearchScheduler, WriteQueue
+from server.core.shard_api import SearchAnswer
+from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardWrite,
+                               WriteOutcome)
+from server.core.validation import validate_fetch, validate_shard_query, validate_shard_write
+from server.errors import DeadlineExceeded, SearchError, Unavailable
+
+
+@dataclass
+class EnginePools:
+    """Threads shared by every shard of one engine process."""
+
+    cpu: ThreadPoolExecutor
+    faiss_threads: int = 1
+
+    @classmethod
+    def create(cls, search_threads: int = 8, faiss_threads: int = 1) -> "EnginePools":
+        return cls(ThreadPoolExecutor(max(1, search_threads), thread_name_prefix="engine-cpu",
+                                      initializer=faiss_threads_initializer(faiss_threads)),
+                   faiss_threads)
+
+    def close(self) -> None:
+        self.cpu.shutdown(wait=True)
+
+
+class LocalShard:
+    def __init__(self, index: ShardIndex, config: EngineConfig, pools: EnginePools,
+                 apply_batch: int = 256):
+        self.index = index
+        self.shard_no = index.shard_no
+        self.desc = index.desc
+        self.config = config
+        self.pools = pools
+        labels = (index.desc.collection, str(index.shard_no))
+        workers = config.dense_workers if config.batching else max(1, config.search_threads)
+        self._device = ThreadPoolExecutor(workers, thread_name_prefix=f"engine-dev{index.shard_no}",
+                                          initializer=faiss_threads_initializer(pools.faiss_threads))
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"writer-{index.shard_no}")
+        self.scheduler = SearchScheduler(self._run_group, self._device, labels, config.batching,
+                                         config.max_batch, config.dispatch_timeout_ms, workers)
+        self.writes = WriteQueue(index.apply_writes, self._writer, labels, apply_batch)
+        self._applied: Optional[asyncio.Condition] = None
+        # set by a write-log consumer (server/replication/log.py): this replica applies a log, and
+        # can ask the log for its subject's last sequence
+        self.replicated = False
+        self.watermark_probe = None
+
+    @classmethod
+    def open(cls, desc, build_dir: Path, state_root: Path, shard_no: int, device: Optional[Device],
+             config: EngineConfig, pools: EnginePools, apply_batch: int = 256) -> "LocalShard":
+        """Load (blocking: call from a worker thread when a loop is running)."""
+        return cls(ShardIndex(desc, build_dir, state_root, shard_no, device), config, pools,
+                   apply_batch)
+
+    # --- the shard interface -----------------------------------------------------------------
+    def _run_group(self, queries: Sequence[ShardQuery]):
+        texts = sum(1 for q in queries if q.text)
+        lexical_map = self.pools.cpu.map if texts > 1 else map
+        return self.index.search_group(queries, lexical_map)
+
+    @property
+    def cache_version(self) -> Optional[int]:
+        return self.index.index_version
+
+
+    async def search(self, queries: Sequence[ShardQuery],
+                     timeout: Optional[float] = None) -> list[SearchAnswer]:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        answers: list = [None] * len(queries)
+        futures = {}
+        for i, q in enumerate(queries):
+            try:
+                validate_shard_query(q, self.desc.dim)
+                self.index.check_query(q)
+                if q.min_applied_seq > self.index.applied_seq and self.replicated:
+                    await self.wait_applied(q.min_applied_seq, deadline)
+                futures[i] = self.scheduler.submit(q, deadline)
+            except SearchError as exc:
+                answers[i] = exc
+        if futures:
+            try:
+                done = await asyncio.wait_for(asyncio.gather(*futures.values(), return_exceptions=True),
+                                              timeout)
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(f"shard {self.shard_no} did not answer within the deadline") from None
+            for i, r in zip(futures, done):
+                if isinstance(r, BaseException) and not isinstance(r, SearchError):
+                    raise r
+                answers[i] = r
+        return answers
+
+    async def wait_applied(self, seq: int, deadline: Optional[float]) -> None:
+        """Read-your-writes: wait (within the deadline) until every write-log entry of this
+        shard up to `seq` is applied. Sequences count every shard's entries, so only this shard's
+        last entry at or below `seq` matters: the log says where that is (the probe)."""
+        if self._applied is None:
+            self._applied = asyncio.Condition()
+        loop = asyncio.get_running_loop()
+        target = seq
+        if self.watermark_probe is not None:
+            try:
+                target = min(seq, await self.watermark_probe())
+            except SearchError:
+                pass  # the log is unreachable: wait for `seq` itself
+        async with self._applied:
+            while self.index.applied_seq < target:
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    raise Unavailable(f"shard {self.shard_no} has applied the write log to "
+                                      f"{self.index.applied_seq}, not yet {seq}")
+                try:
+                    await asyncio.wait_for(self._applied.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def notify_applied(self) -> None:
+        if self._applied is not None:
+            async with self._applied:
+                self._applied.notify_all()
+
+    async def fetch(self, request: FetchRequest, timeout: Optional[float] = None) -> list[Candidate]:
+        validate_fetch(request)
+        fut = asyncio.get_running_loop().run_in_executor(self.pools.cpu, self.index.fetch, request)
+        return await (asyncio.wait_for(fut, timeout) if timeout is not None else fut)
+
+    async def apply(self, writes: Sequence[ShardWrite],
+                    timeout: Optional[float] = None) -> list[WriteOutcome]:
+        for w in writes:
+            validate_shard_write(w, self.desc)
+        outcomes = await self.writes.submit(writes)
+        await self.notify_applied()
+        return outcomes
+
+    async def info(self, tenant: Optional[str] = None, digest: bool = False,
+                   timeout: Optional[float] = None) -> ShardInfo:
+        return await asyncio.get_running_loop().run_in_executor(self.pools.cpu, self.index.info,
+                                                                tenant, digest)
+
+    async def close(self) -> None:
+        await self.scheduler.close()
+        self._device.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        self.index.close()
+
+    def close_sync(self) -> None:
+        """Close without a loop (a shard loaded and dropped before serving)."""
+        self._device.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        self.index.close()

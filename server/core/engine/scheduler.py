@@ -1,0 +1,211 @@
+"""The shard's schedulers: concurrent queries coalesced into batched index calls, concurrent writes
+into group commits. Each owns its state behind a small handle (`submit`), like the model batcher
+(server/core/batcher.py).
+
+Search policy (`SearchScheduler`):
+- queries queue in groups by restriction (build, tenant, ACL scopes, filters); a batch holds one
+  group's queries only, so it is one faiss call with one selector - mixed restrictions never share
+  a selector;
+- a group is ready to go when it holds `max_batch` queries, when its first query has waited
+  `dispatch_timeout_ms`, or at once when no batch of this shard is running: an idle index pays no
+  dispatch delay, and while batches run the next ones fill (continuous batching);
+- at most `dense_workers` batches run at a time (one per device queue); the oldest ready group
+  goes first;
+- queries whose caller has gone (cancelled) or whose deadline has passed are dropped before the
+  index call, and counted;
+- batch sizes, queue waits and queue depth are exported per shard.
+With batching off every query is its own call (the per-request path, kept for comparison).
+
+Write policy (`WriteQueue`): writes queue in arrival order; the writer takes everything queued (up
+to `max_group` writes) as one group commit, so concurrent writers share one BM25 commit and one
+SQLite transaction, and a lone writer waits for nobody.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict, deque
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from server.core import metrics
+from server.core.types import ShardQuery, ShardResult, ShardWrite, WriteOutcome
+from server.errors import DeadlineExceeded, Unavailable
+
+
+@dataclass
+class _Pending:
+    query: Any
+    future: asyncio.Future
+    enqueued: float
+    deadline: Optional[float]
+
+
+class SearchScheduler:
+    def __init__(self, run_group: Callable[[Sequence[ShardQuery]], list[ShardResult]],
+                 device: Executor, labels: tuple[str, str], batching: bool = True,
+                 max_batch: int = 64, dispatch_timeout_ms: float = 1.0, workers: int = 1):
+        self.run_group = run_group
+        self.device = device
+        self.labels = labels
+        self.batching = batching
+        self.max_batch = max_batch if batching else 1
+        self.dispatch_timeout = dispatch_timeout_ms / 1e3
+        self.workers = max(1, workers)
+        self._groups: OrderedDict[tuple, deque[_Pending]] = OrderedDict()
+        self._running = 0
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._closing = False
+        self._idle: Optional[asyncio.Event] = None
+        self.batches = 0
+        self.queries = 0
+
+    def submit(self, query: ShardQuery, deadline: Optional[float]) -> asyncio.Future:
+        """Queue one query; the future resolves to its ShardResult (or the batch's error)."""
+        if self._closing:
+            raise Unavailable("the shard is shutting down")
+        loop = asyncio.get_running_loop()
+        p = _Pending(query, loop.create_future(), loop.time(), deadline)
+        key = query.restriction if self.batching else (id(p),)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = deque()
+        group.append(p)
+        self._pump()
+        return p.future
+
+    def depth(self) -> int:
+        return sum(len(g) for g in self._groups.values())
+
+    def _pump(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._groups and (self._running < self.workers or not self.batching):
+            key, group = next(iter(self._groups.items()))
+            ready = (not self.batching or self._running == 0 or len(group) >= self.max_batch
+                     or now - group[0].enqueued >= self.dispatch_timeout)
+            if not ready:
+                self._arm(group[0].enqueued + self.dispatch_timeout)
+                break
+            batch = []
+            while group and len(batch) < self.max_batch:
+                p = group.popleft()
+                if self._alive(p, now):
+                    batch.append(p)
+            if not group:
+                del self._groups[key]
+            if batch:
+                self._running += 1
+                loop.create_task(self._run(batch))
+        metrics.ENGINE_QUEUE_DEPTH.labels(*self.labels).set(self.depth())
+
+    def _arm(self, when: float) -> None:
+        loop = asyncio.get_running_loop()
+        if self._timer is not None and self._timer.when() <= when:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._pump()
+
+    def _alive(self, p: _Pending, now: float) -> bool:
+        if p.future.done():  # the caller went away (a cancelled request or a hedge's loser)
+            metrics.ENGINE_DROPPED.labels(*self.labels, "cancelled").inc()
+            return False
+        if p.deadline is not None and now >= p.deadline:
+            metrics.ENGINE_DROPPED.labels(*self.labels, "deadline").inc()
+            p.future.set_exception(DeadlineExceeded("deadline passed while queued for the index"))
+            return False
+        return True
+
+    async def _run(self, batch: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for p in batch:
+            metrics.ENGINE_QUEUE_SECONDS.labels(*self.labels).observe(now - p.enqueued)
+        metrics.ENGINE_BATCH.labels(*self.labels).observe(len(batch))
+        self.batches += 1
+        self.queries += len(batch)
+        try:
+            results = await loop.run_in_executor(self.device, self.run_group,
+                                                 [p.query for p in batch])
+            for p, r in zip(batch, results):
+                if not p.future.done():
+                    p.future.set_result(r)
+        except Exception as exc:  # the whole batch shares its failure
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+        finally:
+            self._running -= 1
+            if self._idle is not None and not self._running and not self._groups:
+                self._idle.set()
+            self._pump()
+
+    async def close(self) -> None:
+        """Refuse new queries; let queued and running ones finish."""
+        self._closing = True
+        if self._running or self._groups:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+@dataclass
+class _PendingWrites:
+    writes: Sequence[ShardWrite]
+    future: asyncio.Future
+
+
+class WriteQueue:
+    def __init__(self, apply: Callable[[Sequence[ShardWrite]], list[WriteOutcome]],
+                 writer: Executor, labels: tuple[str, str], max_group: int = 256):
+        self.apply = apply
+        self.writer = writer
+        self.labels = labels
+        self.max_group = max_group
+        self._queue: deque[_PendingWrites] = deque()
+        self._busy = False
+        self.groups = 0
+
+    async def submit(self, writes: Sequence[ShardWrite]) -> list[WriteOutcome]:
+        loop = asyncio.get_running_loop()
+        p = _PendingWrites(list(writes), loop.create_future())
+        self._queue.append(p)
+        if not self._busy:
+            self._busy = True
+            loop.create_task(self._drain())
+        # a write, once queued, is applied even if its caller goes away (it may already be in
+        # the group being committed); shield it from the caller's cancellation
+        return await asyncio.shield(p.future)
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._queue:
+                group: list[_PendingWrites] = []
+                n = 0
+                while self._queue and (not group or n + len(self._queue[0].writes) <= self.max_group):
+                    p = self._queue.popleft()
+                    group.append(p)
+                    n += len(p.writes)
+                writes = [w for p in group for w in p.writes]
+                metrics.WRITE_GROUP.labels(*self.labels).observe(len(writes))
+                self.groups += 1
+                try:
+                    outcomes = await loop.run_in_executor(self.writer, self.apply, writes)
+                except Exception as exc:
+                    for p in group:
+                        p.future.set_exception(exc)
+                    continue
+                i = 0
+                for p in group:
+                    p.future.set_result(outcomes[i:i + len(p.writes)])
+                    i += len(p.writes)
+        finally:
+            self._busy = False
+

@@ -1,0 +1,108 @@
+"""A shard's writable state, kept apart from its read-only build.
+
+A published build is immutable and may sit on a read-only volume. Everything a running shard
+writes lives under the state directory instead:
+
+    <state_dir>/<collection>/<build_id>/shard-NNN/docstore.sqlite   (+ -wal, -shm)
+    <state_dir>/<collection>/<build_id>/shard-NNN/lexical/          tantivy segments, locks, merges
+    <state_dir>/<collection>/<build_id>/replay.json                 writes replayed from other builds
+
+The first time a shard of a build is opened, its state is made from the build: the SQLite store is
+copied with SQLite's online backup (reading the build with `immutable=1`, which needs no write
+access), and the tantivy files are hard-linked when both sit on one filesystem (segments are never
+modified in place) or copied otherwise. The copy is made under a temporary name and renamed into
+place, so a crash mid-copy leaves nothing half made. The faiss index and exact vectors are read
+from the build directly (memory-mapped); rows added since live in the store.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import sqlite3
+from pathlib import Path
+
+from server.backends.docstore import read_only_uri
+from server.errors import FailedPrecondition
+
+READY = "STATE_READY"
+TANTIVY_LOCKS = (".tantivy-writer.lock", ".tantivy-meta.lock")
+
+
+def state_shard_dir(state_root: Path, collection: str, build_id: str, shard_dir: str) -> Path:
+    return Path(state_root) / collection / build_id / shard_dir
+
+
+def check_writable(directory: Path, what: str = "state directory") -> Path:
+    """Create `directory` if needed and prove it takes writes; the error names the path."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise FailedPrecondition(
+            f"{what} {directory} is not writable ({exc.strerror or exc}); a serving shard writes "
+            "its BM25 segments, SQLite WAL and streaming writes there: point --state-dir at a "
+            "writable volume") from None
+    return directory
+
+
+def prepare(build_shard: Path, state_shard: Path) -> Path:
+    """Make `state_shard` from `build_shard` unless it is there already; returns it."""
+    if (state_shard / READY).is_file():
+        return state_shard
+    parent = check_writable(state_shard.parent)
+    with open(parent / f".{state_shard.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two processes opening one shard's state: one copies
+        if (state_shard / READY).is_file():
+            return state_shard
+        tmp = parent / f".tmp-{state_shard.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            _copy_store(build_shard / "docstore.sqlite", tmp / "docstore.sqlite")
+            _link_tree(build_shard / "lexical", tmp / "lexical")
+            (tmp / READY).write_text(str(build_shard) + "\n")
+            if state_shard.exists():  # a leftover without READY (an older layout): replace it
+                shutil.rmtree(state_shard)
+            os.rename(tmp, state_shard)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return state_shard
+
+
+def _copy_store(src: Path, dst: Path) -> None:
+    if not src.is_file():
+        from server.errors import IndexCorruptError
+
+        raise IndexCorruptError(f"missing document store {src}")
+    source = sqlite3.connect(read_only_uri(src), uri=True)
+    target = sqlite3.connect(str(dst))
+    try:
+        source.backup(target)
+        target.execute("PRAGMA journal_mode=WAL")
+    finally:
+        target.close()
+        source.close()
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    if not src.is_dir():
+        from server.errors import IndexCorruptError
+
+        raise IndexCorruptError(f"missing lexical index {src}")
+    dst.mkdir()
+    for entry in src.iterdir():
+        if entry.name in TANTIVY_LOCKS or not entry.is_file():
+            continue
+        target = dst / entry.name
+        try:
+            os.link(entry, target)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EACCES, errno.EROFS, errno.EMLINK):
+                raise
+            shutil.copy2(entry, target)

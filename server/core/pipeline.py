@@ -1,0 +1,473 @@
+"""The query pipeline: validate -> [retrieval cache] -> embed -> fan out -> merge -> fuse
+(-> dense feedback) -> rerank -> assemble, for a batch of queries at once.
+
+A single Search is a batch of one; SearchBatch runs the same code, so every stage serves all of a
+batch's queries together: their embeddings share model batches, each shard receives ONE message
+holding every query for it (and batches them into one faiss call per restriction), and a query
+that fails validation fails alone in its slot.
+
+Every stage is timed (per request, and in Prometheus), sees the request's remaining deadline, and
+raises domain errors (server/errors.py) that the transport maps to gRPC status codes. Tenant and
+ACL scopes come from the caller's credentials, never from a request.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from server.config import PipelineConfig
+from server.core import metrics
+from server.core.assembly import ContextAssembler
+from server.core.encoders import Encoders
+from server.core.ranking import merge_topk, rrf
+from server.core.registry import CollectionRegistry, LoadedCollection
+from server.core.types import (Candidate, FetchRequest, RankedHit, SearchQuery, SearchResult,
+                               ShardQuery, ShardResult, TraceEntry)
+from server.core.validation import validate_query
+from server.errors import (CorpusVersionMismatch, DeadlineExceeded, FailedPrecondition,
+                           InvalidArgument, SearchError, Unavailable)
+
+log = logging.getLogger(__name__)
+
+SCORE_KINDS = {"ip": "cosine", "l2": "l2"}
+FAIL_FAST = (InvalidArgument, FailedPrecondition)  # the request's or the build's fault: not partial
+
+
+@dataclass
+class _Query:
+    """One query's state through the pipeline."""
+
+    q: SearchQuery
+    error: Optional[SearchError] = None
+    coll: Optional[LoadedCollection] = None
+    mode: str = ""
+    vector: Optional[np.ndarray] = None
+    sq: Optional[ShardQuery] = None
+    cache_key: Optional[tuple] = None
+    result: Optional[SearchResult] = None
+    shard_results: list = field(default_factory=list)
+    shard_errors: list = field(default_factory=list)
+    dense: list = field(default_factory=list)
+    lexical: list = field(default_factory=list)
+    fused: list = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    @property
+    def live(self) -> bool:
+        return self.error is None and self.result is None
+
+
+class QueryPipeline:
+    def __init__(self, registry: CollectionRegistry, encoders: Encoders, config: PipelineConfig,
+                 rerank_cap: int, cpu: Executor):
+        self.registry = registry
+        self.encoders = encoders
+        self.config = config
+        self.rerank_cap = rerank_cap
+        self.cpu = cpu
+        self._cache: OrderedDict[tuple, SearchResult] = OrderedDict()
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    async def search(self, queries: Sequence[SearchQuery], tenant: str, acl_scopes: tuple,
+                     deadline: Optional[float]) -> list:
+        """One answer per query, in order: a SearchResult, or the SearchError of that query."""
+        t_start = time.perf_counter()
+        states = [_Query(q) for q in queries]
+        for st in states:
+            self._prepare(st, tenant, acl_scopes)
+        t = time.perf_counter()
+        to_embed = [st for st in states if st.live and st.mode != "lexical" and st.q.vector is None]
+        if to_embed:
+            self._check_deadline(deadline, "embed")
+            await asyncio.gather(*(self._embed(st, deadline) for st in to_embed))
+            t = self._lap(states, "embed", t)
+        for st in states:
+            if st.live:
+                st.sq = self._shard_query(st, tenant, acl_scopes)
+        await self._retrieve(states, deadline)
+        t = self._lap(states, "retrieve", t)
+        for st in states:
+            if st.live:
+                self._fuse(st)
+        t = self._lap(states, "fusion", t)
+        feedback = [st for st in states if st.live and st.mode == "hybrid" and self._feedback_k(st)]
+        if feedback:
+            await self._dense_feedback(feedback, tenant, acl_scopes, deadline)
+            t = self._lap(feedback, "feedback", t)
+        await asyncio.gather(*(self._finish(st, tenant, acl_scopes, deadline)
+                               for st in states if st.live), return_exceptions=False)
+        total = (time.perf_counter() - t_start) * 1e3
+        out = []
+        for st in states:
+            if st.error is not None:
+                out.append(st.error)
+                continue
+            if st.result is None:
+                continue
+            st.result.timings.setdefault("total", total)
+            metrics.RECENT.observe("total", st.result.timings["total"] / 1e3)
+            out.append(st.result)
+        return out
+
+    # --- stages ------------------------------------------------------------------------------
+    def _prepare(self, st: _Query, tenant: str, acl_scopes: tuple) -> None:
+        try:
+            st.coll = self.registry.get(st.q.collection)
+            st.mode = validate_query(st.q, st.coll.desc, self.rerank_cap)
+            if st.q.rerank_depth and not self.encoders.can_rerank():
+                raise FailedPrecondition("rerank_depth was given but this server has no "
+                                         "cross-encoder (start it with --reranker DIR)")
+            if st.q.context_token_budget and self.encoders.embedder is None:
+                raise FailedPrecondition("a context token budget needs the server's tokenizer")
+            if st.mode != "lexical" and st.q.vector is None:
+                self.encoders.check_model(st.coll.desc)
+        except SearchError as exc:
+            st.error = exc
+            return
+        st.cache_key = self._cache_key(st, tenant, acl_scopes)
+        if st.cache_key is not None and self.config.retrieval_cache_size:
+            cached = self._cache.get(st.cache_key)
+            if cached is not None:
+                self._cache.move_to_end(st.cache_key)
+                metrics.RETRIEVAL_CACHE.labels("hit").inc()
+                st.result = SearchResult(cached.hits, cached.build_id, cached.corpus_version,
+                                         cached.model_id, {"cache": 0.0}, cached.partial,
+                                         cached.shard_errors, None,
+                                         cached.notes + ["retrieval cache hit"], cached.context_tokens)
+                return
+            metrics.RETRIEVAL_CACHE.labels("miss").inc()
+
+    def _cache_key(self, st: _Query, tenant: str, acl_scopes: tuple) -> Optional[tuple]:
+        """Everything the answer depends on, including every shard's index version (which moves
+        on every write): an entry can never be served after a write that could change it.
+        None (no caching) when a shard cannot tell its version (remote shards) or for traces."""
+        versions = tuple(s.cache_version for s in st.coll.shards)
+        q = st.q
+        if None in versions or q.include_trace:
+            return None
+        vec = (hashlib.sha256(q.vector.tobytes()).hexdigest(), q.vector_model_id) if q.vector is not None else None
+        return (st.coll.desc.build_id, versions, " ".join(q.text.split()), vec, st.mode, tenant,
+                acl_scopes, q.filters, q.top_k, q.dense_depth, q.lexical_depth, q.rrf_k,
+                q.rerank_depth, q.context_token_budget, q.allow_partial, q.feedback_docs,
+                q.feedback_weight)
+
+    async def _embed(self, st: _Query, deadline: Optional[float]) -> None:
+        try:
+            st.vector = await self.encoders.embed(st.q.text, st.coll.desc, deadline, st.notes)
+        except SearchError as exc:
+            st.error = exc
+
+    def _window(self, q: SearchQuery) -> int:
+        """The hits assembly and rerank read: shards ship text for these, the rest as ids."""
+        return max(q.top_k + min(q.top_k, 8), q.rerank_depth)
+
+    def _shard_query(self, st: _Query, tenant: str, acl_scopes: tuple) -> ShardQuery:
+        q, desc = st.q, st.coll.desc
+        vector = st.vector if st.vector is not None else q.vector
+        # fusion wants deep candidate lists; a single retriever needs only what assembly reads,
+        # with room for duplicates it drops
+        single = max(2 * q.top_k, q.rerank_depth) if st.mode != "hybrid" else 0
+        dense_depth = q.dense_depth or max(single or self.config.default_depth, q.top_k)
+        lexical_depth = q.lexical_depth or max(single or self.config.default_depth, q.top_k)
+        text_top_n = 0 if q.include_trace else (self.config.text_top_n or self._window(q))
+        return ShardQuery(desc.build_id, tenant,
+                          np.asarray(vector, np.float32) if st.mode != "lexical" else None,
+                          desc.model_id, q.text if st.mode != "dense" else "", dense_depth,
+                          lexical_depth, q.filters, acl_scopes, text_top_n, q.min_applied_sequence)
+
+    async def _retrieve(self, states: list[_Query], deadline: Optional[float]) -> None:
+        """One message per shard holding every live query for its collection."""
+        by_coll: dict[str, list[_Query]] = {}
+        for st in states:
+            if st.live:
+                by_coll.setdefault(st.coll.name, []).append(st)
+        if not by_coll:
+            return
+        self._check_deadline(deadline, "retrieval")
+        await asyncio.gather(*(self._fan_out(group[0].coll, group, deadline)
+                               for group in by_coll.values()))
+
+    async def _fan_out(self, coll: LoadedCollection, group: list[_Query], deadline: Optional[float],
+                       vectors: Optional[list] = None) -> list[list]:
+        """Ask every shard for every query of `group`; returns [query][shard] answers (a result
+        or an error) and, unless `vectors` (the feedback round) is given, settles each query's
+        shard results and errors."""
+        loop = asyncio.get_running_loop()
+        timeout = None if deadline is None else max(0.0, deadline - loop.time())
+        if vectors is None:
+            sqs = [st.sq for st in group]
+        else:
+            sqs = [ShardQuery(st.sq.build_id, st.sq.tenant, v, st.sq.model_id, "", st.sq.dense_depth,
+                              0, st.sq.filters, st.sq.acl_scopes, st.sq.text_top_n,
+                              st.sq.min_applied_seq) for st, v in zip(group, vectors)]
+        calls = await asyncio.gather(*(s.search(sqs, timeout) for s in coll.shards),
+                                     return_exceptions=True)
+        per_query: list[list] = [[] for _ in group]
+        for shard, answer in zip(coll.shards, calls):
+            if isinstance(answer, BaseException):
+                err = self._shard_error(shard.shard_no, answer)
+                for lst in per_query:
+                    lst.append(err)
+            else:
+                for lst, a in zip(per_query, answer):
+                    lst.append(a)
+        if vectors is None:
+            for st, answers in zip(group, per_query):
+                self._settle(st, answers)
+        return per_query
+
+    @staticmethod
+    def _shard_error(shard_no: int, exc: BaseException) -> SearchError:
+        if isinstance(exc, asyncio.TimeoutError):
+            return DeadlineExceeded(f"shard {shard_no} did not answer within the deadline")
+        if isinstance(exc, SearchError):
+            return exc
+        log.error("shard %d failed", shard_no, exc_info=exc)
+        return Unavailable(f"shard {shard_no} failed: {type(exc).__name__}: {exc}")
+
+    def _settle(self, st: _Query, answers: list) -> None:
+        ok, errors = [], []
+        for shard, a in zip(st.coll.shards, answers):
+            if isinstance(a, SearchError):
+                if isinstance(a, FAIL_FAST):
+                    st.error = a
+                    return
+                errors.append((shard.shard_no, a))
+            else:
+                ok.append(a)
+        if errors and not st.q.allow_partial:
+            first = errors[0][1]
+            detail = "; ".join(f"shard {n}: {e}" for n, e in errors)
+            what = "did not answer in time" if isinstance(first, DeadlineExceeded) else "failed"
+            st.error = type(first)(f"{len(errors)} of {len(st.coll.shards)} shards {what}: {detail}")
+            return
+        st.shard_results = ok
+        st.shard_errors = [f"shard {n}: {e}" for n, e in errors]
+        versions = {r.corpus_version for r in ok}
+        desc = st.coll.desc
+        if len(versions) > 1 or (versions and versions != {desc.corpus_version}):
+            st.error = CorpusVersionMismatch(f"shards answered from corpus versions {sorted(versions)}; "
+                                             f"build {desc.build_id} is {desc.corpus_version}")
+            return
+        for r in ok:
+            if r.dense_ms:
+                metrics.RECENT.observe("dense", r.dense_ms / 1e3)
+            if r.lexical_ms:
+                metrics.RECENT.observe("lexical", r.lexical_ms / 1e3)
+        st.timings["dense"] = max((r.dense_ms for r in ok), default=0.0)
+        st.timings["lexical"] = max((r.lexical_ms for r in ok), default=0.0)
+
+    def _fuse(self, st: _Query) -> None:
+        sq, results = st.sq, st.shard_results
+        st.dense = merge_topk((r.dense for r in results), sq.dense_depth) if sq.vector is not None else []
+        st.lexical = merge_topk((r.lexical for r in results), sq.lexical_depth) if sq.text else []
+        if st.mode == "hybrid":
+            st.fused = rrf({"dense": [c.chunk_id for c in st.dense],
+                            "lexical": [c.chunk_id for c in st.lexical]}, self._rrf_k(st))
+
+    def _rrf_k(self, st: _Query) -> int:
+        return st.q.rrf_k or self.config.default_rrf_k
+
+    def _feedback_k(self, st: _Query) -> int:
+        k = st.q.feedback_docs
+        return self.config.dense_feedback_docs if k is None else k
+
+    async def _dense_feedback(self, states: list[_Query], tenant: str, acl_scopes: tuple,
+                              deadline: Optional[float]) -> None:
+        """Hybrid pseudo-relevance feedback on the dense side: the query vector moves toward the
+        stored vectors of the first fused hits (q' = normalise(a q + b mean)), the dense list is
+        searched again with q', and fused again with the unchanged lexical list. Measured on
+        both development collections (docs/BENCHMARKS.md); on by default for hybrid queries."""
+        by_id = [{c.chunk_id: c for c in st.dense + st.lexical} for st in states]
+        wants: list[dict[int, list[int]]] = []
+        for st, ids in zip(states, by_id):
+            per_shard: dict[int, list[int]] = {}
+            for cid, _ in st.fused[:self._feedback_k(st)]:
+                c = ids[cid]
+                per_shard.setdefault(c.shard, []).append(c.record.row)
+            wants.append(per_shard)
+        loop = asyncio.get_running_loop()
+        timeout = None if deadline is None else max(0.0, deadline - loop.time())
+
+        async def vectors_of(st, per_shard) -> Optional[np.ndarray]:
+            shards = {s.shard_no: s for s in st.coll.shards}
+            got = await asyncio.gather(*(
+                shards[n].fetch(FetchRequest(st.sq.build_id, tenant, acl_scopes, tuple(rows), True),
+                                timeout) for n, rows in per_shard.items()), return_exceptions=True)
+            vecs = [c.vector for g in got if not isinstance(g, BaseException) for c in g
+                    if c.vector is not None]
+            return np.mean(vecs, axis=0) if vecs else None
+
+        means = await asyncio.gather(*(vectors_of(st, w) for st, w in zip(states, wants)))
+        todo, vectors = [], []
+        for st, mean in zip(states, means):
+            if mean is None:
+                continue
+            b = st.q.feedback_weight if st.q.feedback_weight is not None else self.config.dense_feedback_weight
+            v = (1.0 - b) * st.sq.vector + b * mean.astype(np.float32)
+            v /= max(float(np.linalg.norm(v)), 1e-12)
+            todo.append(st)
+            vectors.append(v.astype(np.float32))
+        by_coll: dict[str, list[int]] = {}
+        for i, st in enumerate(todo):
+            by_coll.setdefault(st.coll.name, []).append(i)
+        for idx in by_coll.values():
+            group = [todo[i] for i in idx]
+            answers = await self._fan_out(group[0].coll, group, deadline, [vectors[i] for i in idx])
+            for st, ans in zip(group, answers):
+                ok = [a for a in ans if isinstance(a, ShardResult)]
+                if len(ok) < len(ans):
+                    st.notes.append("dense feedback skipped: a shard failed its second search")
+                    continue
+                st.dense = merge_topk((r.dense for r in ok), st.sq.dense_depth)
+                st.fused = rrf({"dense": [c.chunk_id for c in st.dense],
+                                "lexical": [c.chunk_id for c in st.lexical]}, self._rrf_k(st))
+                st.notes.append(f"dense feedback from the first {self._feedback_k(st)} fused hits")
+
+    async def _finish(self, st: _Query, tenant: str, acl_scopes: tuple,
+                      deadline: Optional[float]) -> None:
+        try:
+            st.result = await self._finish_one(st, tenant, acl_scopes, deadline)
+        except SearchError as exc:
+            st.error = exc
+
+    async def _finish_one(self, st: _Query, tenant: str, acl_scopes: tuple,
+                          deadline: Optional[float]) -> SearchResult:
+        q, desc = st.q, st.coll.desc
+        t = time.perf_counter()
+        dense_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.dense)}
+        lex_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.lexical)}
+        dense_kind = SCORE_KINDS.get(desc.metric, "inner_product")
+        if st.mode == "hybrid":
+            by_id = {c.chunk_id: c for c in st.lexical}
+            by_id.update({c.chunk_id: c for c in st.dense})
+            ranked = [RankedHit(by_id[cid], s, "rrf", dense_pos.get(cid), lex_pos.get(cid), (i + 1, s))
+                      for i, (cid, s) in enumerate(st.fused)]
+        elif st.mode == "dense":
+            ranked = [RankedHit(c, c.score, dense_kind, dense_pos[c.chunk_id]) for c in st.dense]
+        else:
+            ranked = [RankedHit(c, c.score, "bm25", None, lex_pos[c.chunk_id]) for c in st.lexical]
+        pre_rerank = ranked
+        if q.rerank_depth and ranked:
+            self._check_deadline(deadline, "rerank")
+            head = await self._with_text(st, ranked[:q.rerank_depth], tenant, acl_scopes, deadline)
+            t = time.perf_counter()
+            scores = await self.encoders.rerank(q.text, [h.candidate.record.text for h in head], deadline)
+            order = sorted(range(len(head)), key=lambda i: (-scores[i], head[i].candidate.chunk_id))
+            reranked = []
+            for rank, i in enumerate(order, start=1):
+                h = head[i]
+                h.rerank = (rank, scores[i])
+                h.score, h.score_kind = scores[i], "cross_encoder"
+                reranked.append(h)
+            ranked = reranked + ranked[q.rerank_depth:]
+            t = self._stamp(st, "rerank", t)
+        a = ContextAssembler(q.top_k, tenant, q.context_token_budget, self.config.dedupe, acl_scopes)
+        pos = 0
+        loop = asyncio.get_running_loop()
+        while not a.full and pos < len(ranked):
+            need = q.top_k - len(a.selected)
+            window = ranked[pos:pos + need + min(need, 8)]
+            pos += len(window)
+            readable = await self._with_text(st, window, tenant, acl_scopes, deadline)
+            costs = [0] * len(readable)
+            if q.context_token_budget and readable:  # tokenizing is CPU work: off the loop
+                costs = await loop.run_in_executor(self.cpu, self.encoders.count_tokens,
+                                                   [h.candidate.record.text for h in readable])
+            for h, cost in zip(readable, costs):
+                if a.full:
+                    break
+                a.offer(h, cost)
+        self._stamp(st, "assembly", t)
+        trace = self._trace(st, pre_rerank, ranked, a) if q.include_trace else None
+        result = SearchResult(a.selected, desc.build_id, desc.corpus_version, desc.model_id,
+                              st.timings, bool(st.shard_errors), st.shard_errors, trace, st.notes,
+                              a.used)
+        if st.cache_key is not None and not st.shard_errors and self.config.retrieval_cache_size:
+            self._cache[st.cache_key] = result
+            while len(self._cache) > self.config.retrieval_cache_size:
+                self._cache.popitem(last=False)
+        return result
+
+    async def _with_text(self, st: _Query, hits: list[RankedHit], tenant: str, acl_scopes: tuple,
+                         deadline: Optional[float]) -> list[RankedHit]:
+        """The hits with their records read: shards ship records for their first hits only; the
+        others are fetched by row now. A row replaced or deleted meanwhile is dead and drops out,
+        so one ranking never mixes document versions."""
+        missing: dict[int, list[int]] = {}
+        for h in hits:
+            if h.candidate.record.text is None:
+                missing.setdefault(h.candidate.shard, []).append(h.candidate.record.row)
+        if not missing:
+            return hits
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        timeout = None if deadline is None else max(0.0, deadline - loop.time())
+        shards = {s.shard_no: s for s in st.coll.shards}
+        fetched = await asyncio.gather(*(
+            shards[n].fetch(FetchRequest(st.sq.build_id, tenant, acl_scopes, tuple(rows)), timeout)
+            for n, rows in missing.items()))
+        self._stamp(st, "fetch", t0)
+        found = {(n, c.record.row): c.record for n, batch in zip(missing, fetched) for c in batch}
+        out = []
+        for h in hits:
+            if h.candidate.record.text is None:
+                rec = found.get((h.candidate.shard, h.candidate.record.row))
+                if rec is None:
+                    continue
+                h.candidate.record = rec
+            out.append(h)
+        return out
+
+    def _trace(self, st: _Query, pre_rerank, ranked, a: ContextAssembler) -> dict:
+        def entries(cands: Sequence[Candidate]):
+            return [TraceEntry(c.chunk_id, c.record.doc_id, c.score, i + 1) for i, c in enumerate(cands)]
+
+        def ranked_entries(hits: Sequence[RankedHit]):
+            return [TraceEntry(h.candidate.chunk_id, h.candidate.record.doc_id, h.score, i + 1)
+                    for i, h in enumerate(hits)]
+
+        trace = {"dense": entries(st.dense), "lexical": entries(st.lexical)}
+        if st.mode == "hybrid":
+            trace["fused"] = [TraceEntry(h.candidate.chunk_id, h.candidate.record.doc_id,
+                                         h.fused[1], h.fused[0]) for h in pre_rerank]
+        if st.q.rerank_depth:
+            trace["reranked"] = ranked_entries(ranked[:st.q.rerank_depth])
+        trace["context"] = ranked_entries(a.selected)
+        trace["dropped"] = [TraceEntry(h.candidate.chunk_id, h.candidate.record.doc_id, h.score, 0,
+                                       reason) for h, reason in a.dropped]
+        return trace
+
+    # --- helpers -----------------------------------------------------------------------------
+    @staticmethod
+    def _check_deadline(deadline: Optional[float], stage: str) -> None:
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+            raise DeadlineExceeded(f"deadline passed before {stage}")
+
+    @staticmethod
+    def _lap(states: list[_Query], stage: str, t0: float) -> float:
+        now = time.perf_counter()
+        ms = (now - t0) * 1e3
+        metrics.RECENT.observe(stage, ms / 1e3)
+        for st in states:
+            if st.live:
+                st.timings[stage] = ms
+        return now
+
+    @staticmethod
+    def _stamp(st: _Query, stage: str, t0: float) -> float:
+        now = time.perf_counter()
+        st.timings[stage] = st.timings.get(stage, 0.0) + (now - t0) * 1e3
+        metrics.RECENT.observe(stage, (now - t0) / 1e3)
+        return now

@@ -1,0 +1,166 @@
+"""`SearchCore`: what the transport calls. It admits requests and hands them to the part that owns
+them - the query pipeline (pipeline.py), the write path (writes.py), the build manager (builds.py,
+only where this process owns the shards) - over the collections in the registry (registry.py).
+
+One process can be: the embedded default (it owns local shards: engine and front end together);
+a front end over an engine process of the same host (`serve --workers N`); or a router over
+shard servers. The pipeline and write path are the same in all three; only the shards differ.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Optional, Sequence
+
+from server.backends.device import Device
+from server.config import ServerConfig
+from server.core import metrics
+from server.core.builds import BuildManager
+from server.core.collection import CollectionStore, ReleaseDescriptor
+from server.core.encoders import Encoders
+from server.core.engine.local import EnginePools
+from server.core.pipeline import QueryPipeline
+from server.core.registry import CollectionRegistry, LoadedCollection
+from server.core.types import SearchQuery, SearchResult, WriteRequest
+from server.core.writes import WriteAck, WriteLog, WritePath
+from server.errors import FailedPrecondition, InvalidArgument, Overloaded, SearchError
+from server.core import limits
+
+log = logging.getLogger(__name__)
+
+
+class SearchCore:
+    def __init__(self, config: ServerConfig, embedder=None, reranker=None,
+                 device: Optional[Device] = None, write_log: Optional[WriteLog] = None):
+        self.config = config
+        self.device = device
+        self.store = CollectionStore(config.storage.data_dir)
+        self.registry = CollectionRegistry()
+        self.encoders = Encoders(embedder, reranker, config.models,
+                                 cuda=bool(device and device.torch_cuda))
+        self.pools = EnginePools.create(config.engine.search_threads, config.device.faiss_threads)
+        self.pipeline = QueryPipeline(self.registry, self.encoders, config.pipeline,
+                                      config.models.rerank_cap, self.pools.cpu)
+        self.writes = WritePath(self.registry, self.encoders, write_log)
+        self.builds: Optional[BuildManager] = None
+        self.engine = None  # a front end's link to the engine process that owns its shards
+        self.inflight = 0
+        self.ready = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def load(self) -> None:
+        """Own the shards of every served collection (the embedded default; blocking)."""
+        self.builds = BuildManager(self.config, self.store, self.registry, self.encoders,
+                                   self.writes, self.pools, self.device)
+        self.builds.load_all(self.config.storage.collection)
+        self.ready = True
+
+    def attach(self, loaded: LoadedCollection) -> None:
+        """Serve a collection whose shards live elsewhere (shard servers, an engine process)."""
+        self.registry.put(loaded)
+        self.ready = True
+
+    async def start(self) -> None:
+        if self.builds is not None:
+            await self.builds.start()
+
+    def background(self) -> list:
+        """Coroutines to run for the server's life (alias following, scheduled compaction)."""
+        s = self.config.storage
+        out = []
+        if self.builds is not None and s.alias_poll_s > 0:
+            out.append(self.builds.watch_aliases(s.alias_poll_s))
+        if self.builds is not None and s.compact_interval_s > 0:
+            out.append(self.builds.compact_on_schedule(s.compact_interval_s,
+                                                       s.compact_min_tombstone_ratio))
+        return out
+
+    async def close(self) -> None:
+        self.ready = False
+        await self.encoders.close()
+        if self.builds is not None:
+            await self.builds.close()
+        for coll in self.registry:
+            await asyncio.gather(*(s.close() for s in coll.shards))
+        self.pools.close()
+
+    # --- reads -------------------------------------------------------------------------------
+    def collection(self, name: str) -> LoadedCollection:
+        return self.registry.get(name)
+
+    def _admit(self) -> None:
+        if self.inflight >= self.config.listen.max_inflight:
+            metrics.REJECTED.inc()
+            raise Overloaded(f"{self.inflight} requests in flight (limit "
+                             f"{self.config.listen.max_inflight}); retry with backoff")
+
+    async def search(self, q: SearchQuery, tenant: str, deadline: Optional[float] = None,
+                     acl_scopes: Sequence[str] = ()) -> SearchResult:
+        """`tenant` and `acl_scopes` come from the caller's credentials, never from the request."""
+        out = await self.search_batch([q], tenant, deadline, acl_scopes)
+        if isinstance(out[0], SearchError):
+            raise out[0]
+        return out[0]
+
+    async def search_batch(self, queries: Sequence[SearchQuery], tenant: str,
+                           deadline: Optional[float] = None,
+                           acl_scopes: Sequence[str] = ()) -> list:
+        """One answer per query: a SearchResult, or that query's SearchError."""
+        if not tenant:
+            raise FailedPrecondition("no tenant resolved for the caller")
+        if not queries:
+            raise InvalidArgument("a batch needs at least one query")
+        if len(queries) > limits.MAX_BATCH_QUERIES:
+            raise InvalidArgument(f"{len(queries)} queries; a batch takes at most "
+                                  f"{limits.MAX_BATCH_QUERIES}")
+        self._admit()
+        self.inflight += 1
+        metrics.INFLIGHT.inc()
+        try:
+            return await self.pipeline.search(queries, tenant, tuple(acl_scopes), deadline)
+        finally:
+            self.inflight -= 1
+            metrics.INFLIGHT.dec()
+
+    async def stats(self, name: str, tenant: Optional[str] = None, digest: bool = False) -> dict:
+        """Live counts from every shard (of one tenant's documents only when `tenant` is given:
+        a tenant-scoped admin) and, for operators, each shard's applied log position and digest."""
+        coll = self.registry.get(name)
+        infos = await asyncio.gather(*(s.info(tenant, digest) for s in coll.shards))
+        return {"documents": sum(i.documents for i in infos), "chunks": sum(i.chunks for i in infos),
+                "vectors": sum(i.vectors for i in infos), "shards": infos,
+                "stages": metrics.RECENT.percentiles()}
+
+    async def describe(self, name: str, tenant: Optional[str] = None) -> ReleaseDescriptor:
+        """The live build's descriptor; a tenant-scoped view (no other tenant's name or size)
+        when `tenant` is given."""
+        desc = self.registry.get(name).desc
+        if tenant is None:
+            return desc
+        counts = await self.stats(name, tenant)
+        return dataclasses.replace(desc.for_tenant(tenant), documents=counts["documents"],
+                                   chunks=counts["chunks"])
+
+    # --- writes and builds -------------------------------------------------------------------
+    async def write(self, w: WriteRequest, tenant: str) -> WriteAck:
+        if self.writes.log is None and not self.registry.get(w.collection).direct_writes:
+            raise FailedPrecondition("this router's shards are replica sets and it has no write "
+                                     "log: start it with --nats (replicated writes)")
+        return await self.writes.write(w, tenant)
+
+    async def compact(self, name: str) -> dict:
+        if self.builds is not None:
+            return await self.builds.compact(name)
+        if self.engine is not None:
+            return await self.engine.call("compact", name)
+        raise FailedPrecondition("compaction runs where the shards are local (search-server "
+                                 "serve, or index-builder compact against it)")
+
+    async def switch_build(self, name: str, build_id: Optional[str] = None) -> dict:
+        if self.builds is None:
+            raise FailedPrecondition("this server does not own its shards")
+        result = await self.builds.switch_build(name, build_id)
+        if result["switched"]:
+            self.pipeline.clear_cache()
+        return result

@@ -1,0 +1,157 @@
+"""The write path: validate -> chunk -> embed (or take the caller's own vectors) -> one ShardWrite
+for the document's shard -> applied by that shard's engine (the embedded default), or appended to
+the replicated write log that every replica of the shard applies in order (distributed mode).
+
+Documents are keyed by (tenant, doc_id) and routed by a hash of both, so all of a document's
+chunks live on one shard and a replace is local to it. The tenant comes from credentials.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import numpy as np
+
+from server.core import metrics
+from server.core.chunking import document_chunks, embed_text, given_chunks, shard_of
+from server.core.collection import ReleaseDescriptor
+from server.core.encoders import Encoders
+from server.core.registry import CollectionRegistry
+from server.core.types import ShardWrite, WriteRequest
+from server.core.validation import check_vector, validate_write
+from server.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class WriteAck:
+    outcome: str            # applied | noop (embedded: applied before the answer) | accepted (logged)
+    stored_version: int
+    index_version: str
+    sequence: int = 0       # the write-log position (distributed mode; 0 in the embedded default)
+
+
+class WriteLog(Protocol):
+    """The replicated write log (server/replication/): appends are idempotent by message id."""
+
+    async def append(self, collection: str, shard: int, write: ShardWrite, msg_id: str) -> int: ...
+
+
+def message_id(collection: str, w: ShardWrite) -> str:
+    """Deterministic per write, so a retried publish of the same write is dropped by the log."""
+    key = f"{collection}\x00{w.tenant}\x00{w.doc_id}\x00{w.version}\x00{w.op}".encode()
+    return hashlib.sha256(key).hexdigest()[:32]
+
+
+class WriteGate:
+    """Writes run concurrently with each other; a build switch waits for running writes to finish
+    and holds new ones until the swap is done (so no write lands on a build being retired)."""
+
+    def __init__(self):
+        self._cond = asyncio.Condition()
+        self._writes = 0
+        self._switching = False
+
+    @asynccontextmanager
+    async def writing(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._switching)
+            self._writes += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writes -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def exclusive(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._switching)
+            self._switching = True
+            await self._cond.wait_for(lambda: self._writes == 0)
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._switching = False
+                self._cond.notify_all()
+
+
+class WritePath:
+    def __init__(self, registry: CollectionRegistry, encoders: Encoders,
+                 log: Optional[WriteLog] = None):
+        self.registry = registry
+        self.encoders = encoders
+        self.log = log
+        self._gates: dict[str, WriteGate] = {}
+
+    def gate(self, name: str) -> WriteGate:
+        gate = self._gates.get(name)
+        if gate is None:
+            gate = self._gates[name] = WriteGate()
+        return gate
+
+    async def write(self, w: WriteRequest, tenant: str) -> WriteAck:
+        """Apply (embedded) or log (distributed) an upsert or delete for `tenant` (from
+        credentials). Embedded: acknowledged = durable and searchable. Distributed: acknowledged
+        = held by the log; WriteAck.sequence is what a read passes as min_applied_sequence."""
+        t0 = time.perf_counter()
+        validate_write(w)
+        self.registry.get(w.collection)
+        now = time.time()
+        async with self.gate(w.collection).writing():  # a build switch waits for us, and we for it
+            coll = self.registry.get(w.collection)
+            sw = await self.shard_write(w, tenant, coll.desc, now)
+            shard_no = shard_of(tenant, w.doc_id, coll.desc.shards)
+            if self.log is not None:
+                seq = await self.log.append(coll.name, shard_no, sw, message_id(coll.name, sw))
+                ack = WriteAck("accepted", w.version, "", seq)
+            else:
+                out = (await coll.shards[shard_no].apply([sw]))[0]
+                ack = WriteAck(out.outcome, out.stored_version, str(out.index_version), out.seq)
+        metrics.WRITES.labels(w.op, ack.outcome).inc()
+        if ack.outcome == "applied":
+            metrics.FRESHNESS.observe(time.perf_counter() - t0)
+        if w.source_modified_at and ack.outcome != "noop":
+            metrics.STALENESS.observe(max(0.0, now - w.source_modified_at))
+        return ack
+
+    async def shard_write(self, w: WriteRequest, tenant: str, desc: ReleaseDescriptor,
+                          now: Optional[float] = None) -> ShardWrite:
+        """Chunk and embed (or check the caller's chunks and vectors) into the shard's message."""
+        body = {"title": w.title, "text": "", "metadata": dict(w.metadata), "acl": list(w.acl),
+                "source_modified_at": w.source_modified_at or None,
+                "ingested_at": now if now is not None else time.time()}
+        if w.op == "delete":
+            return ShardWrite("delete", tenant, w.doc_id, w.version, body)
+        if w.chunks:
+            text, chunks = given_chunks([t for t, _ in w.chunks])
+            vectors = self._given_vectors(w, desc)
+        else:
+            text, chunks = w.text, document_chunks(w.title, w.text)
+            vectors = None
+        body["text"] = text
+        if vectors is None:
+            vectors = await self.encoders.embed_many([embed_text(w.title, c.text) for c in chunks], desc)
+        return ShardWrite("upsert", tenant, w.doc_id, w.version, body, tuple(chunks), vectors,
+                          model_id=desc.model_id)
+
+    @staticmethod
+    def _given_vectors(w: WriteRequest, desc: ReleaseDescriptor) -> Optional[np.ndarray]:
+        given = [v for _, v in w.chunks]
+        if all(v is None or len(v) == 0 for v in given):
+            return None  # chunks without vectors: the server embeds them
+        if any(v is None or len(v) == 0 for v in given):
+            raise InvalidArgument("give a vector for every chunk, or for none")
+        vectors = np.asarray([np.asarray(v, np.float32) for v in given]) if len({len(v) for v in given}) == 1 \
+            else None
+        if vectors is None:
+            raise InvalidArgument(f"chunk vectors differ in dimension; collection {desc.collection!r} "
+                                  f"has dimension {desc.dim}")
+        for v in vectors:
+            check_vector(v, w.vector_model_id, desc)
+        return vectors

@@ -1,0 +1,149 @@
+"""Replicated writes on the JetStream log (jetstream.py): the router's side that appends, and the
+replica's side that applies.
+
+Router: `ReplicatedWriteLog.append` encodes a ShardWrite (chunks, vectors, body) as the shard
+port's protobuf message and publishes it on the shard's subject with a message id derived from
+(collection, tenant, document, version, op), so a retried write is stored once. The write is
+acknowledged once the log holds it; the acknowledgement carries the log sequence.
+
+Replica: `ShardReplicator` is one replica's durable consumer of one shard's subject. It applies
+entries in log order through the shard's versioned, crash-safe write path in groups (one group
+commit per fetch), and the applied sequence is committed in the same SQLite transaction as the
+visibility flip, so the replica's store - not the consumer's acknowledgements - says how far it
+got. On start (new replica, restart, or a build switch) it opens its consumer just after that
+position and catches up before the replica reports ready.
+
+Read-your-writes: a search carrying min_applied_sequence S waits (within its deadline) until the
+replica has applied every entry of its subject up to S. Sequences are per stream, so a shard whose
+subject got no entry since its last applied one is caught up for any S: the replica asks the log
+for its subject's last sequence L and waits only for min(S, L).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import Optional
+
+from server.config import ReplicationConfig
+from server.core.collection import shard_dir_name
+from server.core.types import ShardWrite
+from server.errors import SearchError
+from server.replication.jetstream import JetStreamWriteLog, ShardLogReader, WriteLogError
+
+log = logging.getLogger(__name__)
+
+
+class ReplicatedWriteLog:
+    """The router's write log (server/core/writes.py WriteLog) on JetStream."""
+
+    def __init__(self, js: JetStreamWriteLog, config: ReplicationConfig):
+        self.js = js
+        self.config = config
+
+    @classmethod
+    async def connect(cls, config: ReplicationConfig, collection: str) -> "ReplicatedWriteLog":
+        js = await JetStreamWriteLog.connect(config.nats, collection, config.stream_replicas)
+        await js.ensure_stream()
+        return cls(js, config)
+
+    async def append(self, collection: str, shard: int, write: ShardWrite, msg_id: str) -> int:
+        from server.transport.codec import shard_write_to_pb
+
+        payload = shard_write_to_pb(write, collection, write.model_id).SerializeToString()
+        result = await self.js.publish(shard, payload, msg_id, self.config.publish_timeout_s)
+        return result.seq
+
+    async def close(self) -> None:
+        await self.js.close()
+
+
+def durable_name(replica_id: str, build_id: str, shard: int) -> str:
+    """One durable consumer per replica and build: a new build replays from its own position."""
+    raw = f"{replica_id}-{build_id}-{shard_dir_name(shard)}"
+    return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:200]
+
+
+class ShardReplicator:
+    """Applies one shard's write log to one replica (a LocalShard)."""
+
+    def __init__(self, js: JetStreamWriteLog, shard, replica_id: str, config: ReplicationConfig):
+        self.js = js
+        self.shard = shard
+        self.config = config
+        self.durable = durable_name(replica_id, shard.desc.build_id, shard.shard_no)
+        self.caught_up = False
+        self.reader: Optional[ShardLogReader] = None
+        self._stop = asyncio.Event()
+        shard.replicated = True
+        shard.watermark_probe = self.subject_last_sequence
+
+    def state(self) -> str:
+        return "serving" if self.caught_up else "catching_up"
+
+    async def subject_last_sequence(self) -> int:
+        return await self.js.last_sequence(self.shard.shard_no)
+
+    async def _open(self) -> None:
+        if self.reader is not None:
+            await self.reader.close()
+        self.reader = ShardLogReader(self.js, self.shard.shard_no, self.durable,
+                                     self.shard.index.applied_seq,
+                                     max_ack_pending=max(1024, self.config.apply_batch * 2))
+        await self.reader.open()
+
+    async def step(self, timeout: float) -> int:
+        """Fetch and apply one group; returns how many entries it applied."""
+        from server.transport.codec import shard_write_from_pb
+        from server.rpc import shard_pb2
+
+        if self.reader is None:
+            await self._open()
+        entries = await self.reader.fetch(self.config.apply_batch, timeout)
+        if not entries:
+            return 0
+        writes = []
+        for e in entries:
+            msg = shard_pb2.ShardWrite()
+            msg.ParseFromString(e.payload)
+            w = shard_write_from_pb(msg, seq=e.seq)
+            w.model_id = msg.model_id
+            writes.append(w)
+        await self.shard.apply(writes)  # the applied sequence commits with the flip
+        await self.reader.ack(entries)
+        return len(entries)
+
+    async def catch_up(self, timeout: float = 0.2) -> int:
+        """Apply everything the log holds for this shard now; then report ready."""
+        total = 0
+        while True:
+            n = await self.step(timeout)
+            total += n
+            if n == 0 and await self.reader.lag() == 0:
+                break
+        self.caught_up = True
+        log.info("shard %d replica caught up: applied %d log entries, at sequence %d",
+                 self.shard.shard_no, total, self.shard.index.applied_seq)
+        return total
+
+    async def run(self) -> None:
+        """Follow the log until stopped; on errors (NATS down) retry with backoff."""
+        backoff = 0.2
+        while not self._stop.is_set():
+            try:
+                if await self.step(0.5):
+                    backoff = 0.2
+            except (SearchError, WriteLogError) as exc:
+                log.warning("shard %d replicator: %s; retrying in %.1fs", self.shard.shard_no, exc,
+                            backoff)
+                self.reader = None
+                try:
+                    await asyncio.wait_for(self._stop.wait(), backoff)
+                except asyncio.TimeoutError:
+                    pass
+                backoff = min(backoff * 2, 5.0)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self.reader is not None:
+            await self.reader.close()

@@ -1,0 +1,396 @@
+"""`serve --workers N`: one engine process that owns every index (and the device), fed by N gRPC
+front-end processes on the same port (SO_REUSEPORT) that embed, fuse and assemble.
+
+One Python process tops out at a few thousand requests/s of gRPC and pipeline work (one GIL);
+front ends scale that across cores, while batching stays in one place: every front end's queries
+for a shard reach that shard's one scheduler, which batches across all of them (the split of
+vLLM's engine core and its multi-process clients).
+
+The link is a Unix socket (no network, same user): length-prefixed pickled messages carrying
+the shard interface's own dataclasses (server/core/types.py), numpy arrays out of band.
+`EngineShard` implements the complete shard interface over it, so the front end's pipeline and
+write path are exactly the embedded default's. Queries a front end submits in the same event-loop
+turn travel in one message. The engine pushes a collection's new descriptor to every front end
+when it switches builds; requests for the previous build are still answered by it while it
+drains.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from server.config import ServerConfig
+from server.core.registry import LoadedCollection
+from server.core.types import FetchRequest, ShardQuery, ShardWrite
+from server.errors import SearchError, Unavailable
+
+log = logging.getLogger(__name__)
+_LEN = struct.Struct("!I")
+
+
+async def _send(writer: asyncio.StreamWriter, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    writer.write(_LEN.pack(len(data)) + data)
+    await writer.drain()
+
+
+async def _recv(reader: asyncio.StreamReader) -> Any:
+    head = await reader.readexactly(_LEN.size)
+    return pickle.loads(await reader.readexactly(_LEN.unpack(head)[0]))
+
+
+# --- the engine side ---------------------------------------------------------------------------
+class EngineServer:
+    """Answers front ends over the socket from the SearchCore that owns the shards."""
+
+    def __init__(self, core, path: str, expected: int):
+        self.core = core
+        self.path = path
+        self.expected = expected
+        self._clients: set[asyncio.StreamWriter] = set()
+        self.ready_frontends = 0
+        self._ready = asyncio.Event()
+        self._server = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        os.chmod(self.path, 0o600)  # this user only
+
+    def _shard(self, collection: str, build_id: str, shard_no: int):
+        return self.core.builds.shard_for(collection, build_id, shard_no)
+
+    async def _handle(self, op: str, args: tuple):
+        core = self.core
+        if op == "search":
+            collection, build_id, shard_no, queries, timeout = args
+            return await self._shard(collection, build_id, shard_no).search(queries, timeout)
+        if op == "fetch":
+            collection, shard_no, request, timeout = args
+            return await self._shard(collection, request.build_id, shard_no).fetch(request, timeout)
+        if op == "apply":
+            collection, shard_no, writes, timeout = args
+            async with core.writes.gate(collection).writing():
+                return await core.registry.get(collection).shards[shard_no].apply(writes, timeout)
+        if op == "info":
+            collection, shard_no, tenant, digest = args
+            return await core.registry.get(collection).shards[shard_no].info(tenant, digest)
+        if op == "collections":
+            return [c.desc.to_json() for c in core.registry]
+        if op == "compact":
+            return await core.compact(args[0])
+        if op == "ready":
+            self.ready_frontends += 1
+            if self.ready_frontends >= self.expected:
+                self._ready.set()
+            return None
+        raise ValueError(f"unknown engine operation {op!r}")
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._clients.add(writer)
+        lock = asyncio.Lock()
+
+        async def answer(req_id, op, args):
+            try:
+                result, ok = await self._handle(op, args), True
+            except SearchError as exc:
+                result, ok = exc, False
+            except Exception as exc:  # a bug: report it, keep serving
+                log.exception("engine operation %s failed", op)
+                result, ok = Unavailable(f"engine error in {op}: {type(exc).__name__}: {exc}"), False
+            async with lock:
+                await _send(writer, (req_id, ok, result))
+
+        try:
+            while True:
+                req_id, op, args = await _recv(reader)
+                asyncio.get_running_loop().create_task(answer(req_id, op, args))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self._clients.discard(writer)
+            writer.close()
+
+    async def announce(self, collection: str) -> None:
+        """Tell every front end which build a collection serves now."""
+        desc = self.core.registry.get(collection).desc.to_json()
+        for w in list(self._clients):
+            try:
+                await _send(w, (0, True, ("collection", desc)))
+            except ConnectionError:
+                self._clients.discard(w)
+
+    async def wait_ready(self, timeout: float) -> None:
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+# --- the front-end side ------------------------------------------------------------------------
+class EngineClient:
+    """One front end's connection to the engine: requests matched to answers by id."""
+
+    def __init__(self, path: str, on_push=None):
+        self.path = path
+        self.on_push = on_push
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._reader_task: Optional[asyncio.Task] = None
+        self._writer: Optional[asyncio.StreamWriter] = None
+        self._lock = asyncio.Lock()
+
+    async def connect(self, timeout: float = 60.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                reader, self._writer = await asyncio.open_unix_connection(self.path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if loop.time() > deadline:
+                    raise Unavailable(f"the engine at {self.path} did not come up within {timeout}s")
+                await asyncio.sleep(0.05)
+        self._reader_task = loop.create_task(self._read(reader))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                req_id, ok, result = await _recv(reader)
+                if req_id == 0:
+                    if self.on_push is not None:
+                        self.on_push(result)
+                    continue
+                fut = self._waiting.pop(req_id, None)
+                if fut is not None and not fut.done():
+                    (fut.set_result if ok else fut.set_exception)(result)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            err = Unavailable("the engine process went away")
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(err)
+            self._waiting.clear()
+
+    async def call(self, op: str, *args, timeout: Optional[float] = None):
+        if self._writer is None:
+            raise Unavailable("not connected to the engine")
+        req_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[req_id] = fut
+        async with self._lock:
+            await _send(self._writer, (req_id, op, args))
+        try:
+            return await (asyncio.wait_for(fut, timeout) if timeout is not None else fut)
+        finally:
+            self._waiting.pop(req_id, None)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+
+
+class EngineShard:
+    """The shard interface, answered by the engine process. Queries submitted in one event-loop
+    turn (concurrent requests of this front end) go to the engine as one message."""
+
+    def __init__(self, client: EngineClient, collection: str, shard_no: int):
+        self.client = client
+        self.collection = collection
+        self.shard_no = shard_no
+        self._pending: list[tuple[ShardQuery, asyncio.Future]] = []
+        self._timeout: Optional[float] = None
+
+    @property
+    def cache_version(self) -> Optional[int]:
+        return None  # the engine's index version is another process's: no caching over it
+
+    async def search(self, queries: Sequence[ShardQuery], timeout: Optional[float] = None) -> list:
+        loop = asyncio.get_running_loop()
+        futs = []
+        for q in queries:
+            fut = loop.create_future()
+            self._pending.append((q, fut))
+            futs.append(fut)
+        self._timeout = timeout if self._timeout is None or timeout is None else max(self._timeout, timeout)
+        if len(self._pending) == len(queries):  # the first this turn: flush at the turn's end
+            loop.call_soon(self._flush)
+        results = await asyncio.gather(*futs, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, SearchError):
+                raise r
+        whole = [r for r in results if isinstance(r, Unavailable) and getattr(r, "whole_call", False)]
+        if whole:
+            raise whole[0]
+        return results
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        timeout, self._timeout = self._timeout, None
+        if not pending:
+            return
+        by_build: dict[str, list] = {}
+        for q, fut in pending:
+            by_build.setdefault(q.build_id, []).append((q, fut))
+        for build_id, items in by_build.items():
+            asyncio.get_running_loop().create_task(self._send(build_id, items, timeout))
+
+    async def _send(self, build_id: str, items: list, timeout: Optional[float]) -> None:
+        try:
+            answers = await self.client.call("search", self.collection, build_id, self.shard_no,
+                                             [q for q, _ in items], timeout)
+        except SearchError as exc:
+            exc.whole_call = True
+            answers = [exc] * len(items)
+        for (_, fut), a in zip(items, answers):
+            if not fut.done():
+                fut.set_result(a)
+
+    async def fetch(self, request: FetchRequest, timeout: Optional[float] = None) -> list:
+        return await self.client.call("fetch", self.collection, self.shard_no, request, timeout)
+
+    async def apply(self, writes: Sequence[ShardWrite], timeout: Optional[float] = None) -> list:
+        return await self.client.call("apply", self.collection, self.shard_no, list(writes), timeout)
+
+    async def info(self, tenant: Optional[str] = None, digest: bool = False,
+                   timeout: Optional[float] = None):
+        return await self.client.call("info", self.collection, self.shard_no, tenant, digest,
+                                      timeout=timeout)
+
+    async def close(self) -> None:
+        pass  # the client is closed by the front end
+
+
+def _attach(core, client: EngineClient, desc_json: str) -> None:
+    from server.core.collection import ReleaseDescriptor
+
+    desc = ReleaseDescriptor.from_json(desc_json, Path(client.path))
+    core.attach(LoadedCollection(desc, [EngineShard(client, desc.collection, i)
+                                        for i in range(desc.shards)], direct_writes=True))
+
+
+# --- processes ---------------------------------------------------------------------------------
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
+    """The engine here; N front ends as child processes on one port."""
+    from server.core.service import SearchCore
+    from server.transport import app
+
+    port = cfg.listen.port or _free_port(cfg.listen.host)
+    core = SearchCore(cfg, None, None, device)
+    core.load()
+    sock_dir = tempfile.mkdtemp(prefix="search-engine-")
+    path = os.path.join(sock_dir, "engine.sock")
+
+    async def main():
+        engine = EngineServer(core, path, cfg.listen.workers)
+        core.builds.on_switch = engine.announce
+        await engine.start()
+        await core.start()
+        note = app.start_metrics(cfg.listen.host, cfg.listen.metrics_port)
+        argv = [a for a in sys.argv[1:] if a != "serve"]
+        metrics = cfg.listen.metrics_port
+        children = [subprocess.Popen([sys.executable, "-m", "server.main", "frontend",
+                                      "--engine-socket", path, *_frontend_args(argv, port),
+                                      *(["--metrics-port", str(metrics + 1 + i)] if metrics else [])])
+                    for i in range(cfg.listen.workers)]
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        tasks = [loop.create_task(c) for c in core.background()]
+        try:
+            waiter = loop.create_task(engine.wait_ready(600))
+            done, _ = await asyncio.wait({waiter, loop.create_task(stop.wait())},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if waiter in done and waiter.exception() is None:
+                print(f"search-server listening on {cfg.listen.host}:{port} ({cfg.listen.workers} "
+                      f"front-end processes, one engine){note}", flush=True)
+            await stop.wait()
+        finally:
+            for c in children:  # front ends drain their calls; the engine answers until they exit
+                if c.poll() is None:
+                    c.send_signal(signal.SIGTERM)
+            for c in children:
+                try:
+                    await asyncio.wait_for(loop.run_in_executor(None, c.wait), cfg.listen.shutdown_grace_s + 10)
+                except asyncio.TimeoutError:
+                    c.kill()
+            for t in tasks:
+                t.cancel()
+            await engine.close()
+            await core.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        try:
+            os.unlink(path)
+            os.rmdir(sock_dir)
+        except OSError:
+            pass
+
+
+def _frontend_args(argv: list[str], port: int) -> list[str]:
+    """The parent's own flags for its children, with the chosen port and one worker each."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--port", "--workers", "--metrics-port"):
+            skip = True
+            continue
+        if a.startswith(("--port=", "--workers=", "--metrics-port=")):
+            continue
+        out.append(a)
+    return out + ["--port", str(port), "--workers", "1"]
+
+
+def run_frontend(cfg: ServerConfig, device, engine_socket: str) -> None:
+    from server.core.service import SearchCore
+    from server.roles import load_models, make_auth
+    from server.transport import app
+
+    embedder, reranker = load_models(cfg, device)
+    core = SearchCore(cfg, embedder, reranker, device)
+    tls = app.TLSConfig.from_config(cfg.listen)
+
+    async def setup():
+        client = EngineClient(engine_socket, on_push=lambda msg: _attach(core, client, msg[1]))
+        await client.connect()
+        core.engine = client
+        for desc_json in await client.call("collections"):
+            _attach(core, client, desc_json)
+
+    async def main():
+        await setup()
+
+        async def announce_ready():  # runs once the port is served
+            await core.engine.call("ready")
+
+        await app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
+                                cfg.listen.metrics_port, ready_message=False, tls=tls,
+                                grace=cfg.listen.shutdown_grace_s, reuse_port=True,
+                                background=(announce_ready(),))
+        await core.engine.close()
+
+    asyncio.run(main())

@@ -1,0 +1,148 @@
+"""`search-server shard`: one shard of one build behind the shard port.
+
+- The shard engine (LocalShard) owns the index; the servicer (shard_rpc.py) authenticates routers.
+- With --nats, the replica applies its shard's replicated write log (server/replication/log.py):
+  it catches up before it reports SERVING, and answers searches UNAVAILABLE until then, so a
+  router uses its siblings.
+- Without --build it serves the collection's live build and follows alias flips: the new build is
+  loaded and caught up from its own log position, then swapped in; the old one closes after a
+  grace period (requests that resolved it finish on it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional
+
+from server.backends.device import Device
+from server.config import ServerConfig
+from server.core.collection import CollectionStore
+from server.core.engine.local import EnginePools, LocalShard
+from server.core.faults import FaultSpec, FaultyShard
+from server.errors import SearchError
+
+log = logging.getLogger(__name__)
+RETIRE_AFTER_S = 60.0
+
+
+class ShardReplica:
+    """The shard this server serves now, its log consumer, and how it moves to a new build."""
+
+    def __init__(self, cfg: ServerConfig, device: Device, pools: EnginePools):
+        self.cfg = cfg
+        self.device = device
+        self.pools = pools
+        self.store = CollectionStore(cfg.storage.data_dir)
+        self.collection = cfg.shard.shard_collection
+        self.shard_no = cfg.shard.shard
+        self.local: Optional[LocalShard] = None
+        self.replicator = None
+        self.js = None
+        s = cfg.shard
+        self.faults = FaultSpec(s.inject_delay_prob, s.inject_delay_ms, s.inject_fail_prob,
+                                s.inject_hang_prob, s.inject_seed)
+        self.served = None  # what the servicer calls: the shard, or its fault-injecting wrapper
+
+    def _open(self, build_id: str) -> LocalShard:
+        desc = self.store.descriptor(self.collection, build_id)
+        if not 0 <= self.shard_no < desc.shards:
+            raise ValueError(f"--shard must be within 0..{desc.shards - 1} for build {build_id}")
+        return LocalShard.open(desc, self.store.build_dir(self.collection, build_id),
+                               self.cfg.storage.resolved_state_dir(), self.shard_no, self.device,
+                               self.cfg.engine, self.pools, self.cfg.replication.apply_batch)
+
+    async def start(self) -> None:
+        if self.collection is None or self.shard_no is None:
+            raise ValueError("shard needs --collection NAME and --shard N")
+        build = self.cfg.shard.build or self.store.live_build(self.collection)
+        loop = asyncio.get_running_loop()
+        self.local = await loop.run_in_executor(None, self._open, build)
+        self.served = FaultyShard(self.local, self.faults) if self.faults.active else self.local
+        if self.cfg.replication.nats:
+            from server.replication.jetstream import JetStreamWriteLog
+
+            self.js = await JetStreamWriteLog.connect(self.cfg.replication.nats, self.collection,
+                                                      self.cfg.replication.stream_replicas)
+            await self.js.ensure_stream()
+            self.replicator = self._replicator(self.local)
+
+    def _replicator(self, local: LocalShard):
+        from server.replication.log import ShardReplicator
+        from server.roles import default_replica_id
+
+        return ShardReplicator(self.js, local, default_replica_id(self.cfg), self.cfg.replication)
+
+    def status(self) -> str:
+        return self.replicator.state() if self.replicator is not None else "serving"
+
+    async def follow_aliases(self, interval: float, swap) -> None:
+        """Serve the live build as it changes (only when no --build was given)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                live = self.store.live_build(self.collection)
+                if live == self.local.desc.build_id:
+                    continue
+                new = await loop.run_in_executor(None, self._open, live)
+                replicator = None
+                if self.js is not None:
+                    replicator = self._replicator(new)
+                    await replicator.catch_up()
+                old, old_rep = self.local, self.replicator
+                self.local, self.replicator = new, replicator
+                self.served = FaultyShard(new, self.faults) if self.faults.active else new
+                swap(self.served)
+                if replicator is not None:
+                    loop.create_task(replicator.run())
+                if old_rep is not None:
+                    await old_rep.stop()
+                log.info("shard %d of %s now serves build %s (was %s)", self.shard_no,
+                         self.collection, live, old.desc.build_id)
+                loop.call_later(RETIRE_AFTER_S, lambda o=old: loop.create_task(o.close()))
+            except (SearchError, OSError, ValueError) as exc:
+                log.error("cannot follow %s to its live build: %s", self.collection, exc)
+
+    async def close(self) -> None:
+        if self.replicator is not None:
+            await self.replicator.stop()
+        if self.local is not None:
+            await self.local.close()
+        if self.js is not None:
+            await self.js.close()
+
+
+async def serve_shard(cfg: ServerConfig, device: Device) -> None:
+    from server.transport import app
+    from server.transport.shard_rpc import read_token
+
+    token = read_token(cfg.auth.shard_token_file)
+    tls = app.TLSConfig.from_config(cfg.listen)
+    pools = EnginePools.create(cfg.engine.search_threads, cfg.device.faiss_threads)
+    replica = ShardReplica(cfg, device, pools)
+    await replica.start()
+    note = app.start_metrics(cfg.listen.host, cfg.listen.metrics_port)
+    running = await app.start_shard_server(replica.served, cfg.listen.host, cfg.listen.port, tls,
+                                           token, replica.status,
+                                           serving=replica.replicator is None)
+    tasks = []
+    loop = asyncio.get_running_loop()
+    if replica.replicator is not None:
+        await replica.replicator.catch_up()
+        await running.set_serving(True)
+        tasks.append(loop.create_task(replica.replicator.run()))
+    if not cfg.shard.build and cfg.storage.alias_poll_s > 0:
+        def swap(shard):
+            running.servicer.shard = shard
+
+        tasks.append(loop.create_task(replica.follow_aliases(cfg.storage.alias_poll_s, swap)))
+    desc = replica.local.desc
+    print(f"shard server (shard {replica.shard_no} of {desc.collection}/{desc.build_id}) "
+          f"listening on {cfg.listen.host}:{running.port}{note}", flush=True)
+    try:
+        await app.wait_for_signal_then_stop(running, cfg.listen.shutdown_grace_s)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await replica.close()
+        pools.close()
