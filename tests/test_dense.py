@@ -138,3 +138,22 @@ def test_bitmap_selector_excludes_rows_added_after_the_mask(data):
     idx.add(x[1000:1100], np.arange(1000, 1100, dtype=np.int64))
     _, rows = idx.search(x[1000:1010], 5, rf)
     assert (rows < 1000).all()
+
+
+def test_tuning_picks_the_cheapest_setting_that_meets_the_target(data):
+    """The builder's knob tuning (server/core/audit.py): along efSearch, the first setting whose
+    recall meets the target; that setting's recall meets it; a lower target never costs more."""
+    from server.backends.dense import SearchKnobs
+    from server.core.audit import EF_GRID, _RecallProbe, tune_knobs
+
+    x, q, _ = data
+    idx = build("HNSW32,Flat", x)
+    probe = _RecallProbe([(idx, x)], q, K, "ip", DIM)
+    high, sweep = tune_knobs(probe, idx.cpu_index, SearchKnobs(), 0.99)
+    low, _ = tune_knobs(probe, idx.cpu_index, SearchKnobs(), 0.90)
+    assert probe.measure(high)[0] >= 0.99 and probe.measure(low)[0] >= 0.90
+    assert low.ef_search <= high.ef_search
+    below = [e for e in EF_GRID if e < high.ef_search]
+    if below:  # the setting just below the chosen one missed the target
+        assert probe.measure(SearchKnobs(ef_search=below[-1]))[0] < 0.99
+    assert [s["knobs"]["ef_search"] for s in sweep] == list(EF_GRID[:len(sweep)])

@@ -19,6 +19,7 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")        # nothing may download at run time
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no weight-loading bars in server logs
 
 from server.backends.device import Device, default_device  # noqa: E402
 
@@ -86,6 +87,7 @@ class _Transformer:
             import torch
             import transformers
 
+            transformers.logging.disable_progress_bar()
             cls = getattr(transformers, self.auto_class)
             self.model = cls.from_pretrained(str(model_dir), local_files_only=True)
             self.model.eval().to(self.device.torch_device)

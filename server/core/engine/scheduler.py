@@ -112,12 +112,13 @@ class SearchScheduler:
         self._pump()
 
     def _alive(self, p: _Pending, now: float) -> bool:
-        if p.future.done():  # the caller went away (a cancelled request or a hedge's loser)
-            metrics.ENGINE_DROPPED.labels(*self.labels, "cancelled").inc()
-            return False
         if p.deadline is not None and now >= p.deadline:
             metrics.ENGINE_DROPPED.labels(*self.labels, "deadline").inc()
-            p.future.set_exception(DeadlineExceeded("deadline passed while queued for the index"))
+            if not p.future.done():
+                p.future.set_exception(DeadlineExceeded("deadline passed while queued for the index"))
+            return False
+        if p.future.done():  # the caller went away (a cancelled request or a hedge's loser)
+            metrics.ENGINE_DROPPED.labels(*self.labels, "cancelled").inc()
             return False
         return True
 

@@ -1,0 +1,182 @@
+"""Your own vectors and the batch API, through the real service: a collection built from
+precomputed embeddings answers exactly what faiss answers on those vectors; writes carry their own
+chunk vectors; vectors of another model, dimension or with NaN are refused and change nothing;
+SearchBatch answers every query in its slot, invalid ones alone failing."""
+import json
+import subprocess
+import sys
+
+import faiss
+import grpc
+import numpy as np
+import pytest
+
+from server.rpc import search_pb2 as pb
+from server.rpc import search_pb2_grpc as pb_grpc
+
+from conftest import REPO, start_core_server
+
+DIM, N = 32, 1500
+MODEL = "my-own-model@3"
+
+
+@pytest.fixture(scope="module")
+def vector_collection(tmp_path_factory):
+    from index_builder.build import audit_build, build_collection
+    from index_builder.corpus import Document
+    from server.core.collection import CollectionStore
+
+    rng = np.random.default_rng(5)
+    centers = rng.standard_normal((20, DIM)).astype(np.float32)
+    x = centers[rng.integers(0, 20, N)] + 0.3 * rng.standard_normal((N, DIM)).astype(np.float32)
+    faiss.normalize_L2(x)
+    q = centers[rng.integers(0, 20, 50)] + 0.3 * rng.standard_normal((50, DIM)).astype(np.float32)
+    faiss.normalize_L2(q)
+    docs = [Document(f"v{i}", f"vector document number {i} zyxvec{i}") for i in range(N)]
+    data = tmp_path_factory.mktemp("vectors")
+    store = CollectionStore(data)
+    desc = build_collection(docs, store, "vec", None, "Flat", shards=2, quiet=True,
+                            vectors=x, model_id=MODEL, audit_queries=q)
+    audit = audit_build(store, "vec", desc.build_id)
+    store.publish("vec", desc.build_id)
+    return data, desc, x, q, audit
+
+
+@pytest.fixture(scope="module")
+def vec_server(vector_collection):
+    srv = start_core_server(vector_collection[0], None)  # no embedding model at all
+    ch = grpc.insecure_channel(srv.address)
+    yield srv, pb_grpc.SearchServiceStub(ch)
+    ch.close()
+    srv.stop()
+
+
+def vreq(v, model=MODEL, top_k=10, **kw):
+    return pb.SearchRequest(collection="vec", top_k=top_k, mode=pb.DENSE,
+                            vector=pb.QueryVector(values=np.asarray(v, np.float32).tolist(),
+                                                  model_id=model), **kw)
+
+
+def test_the_build_records_the_callers_model_and_is_audited_with_held_out_queries(vector_collection):
+    _, desc, _, _, audit = vector_collection
+    assert desc.model_id == MODEL and desc.model_revision == "external" and desc.chunks == N
+    assert audit["query_source"].startswith("held-out") and audit["queries"] == 50
+    assert audit["recall"] == 1.0  # Flat: exact
+
+
+def test_a_build_from_vectors_returns_the_top_10_faiss_returns_on_them(vec_server, vector_collection):
+    _, stub = vec_server
+    _, desc, x, q, _ = vector_collection
+    exact = faiss.IndexFlatIP(DIM)
+    exact.add(x)
+    _, want = exact.search(q[:20], 10)
+    for qi, row in zip(q[:20], want):
+        got = [h.doc_id for h in stub.Search(vreq(qi), timeout=10).hits]
+        assert got == [f"v{i}" for i in row]
+
+
+@pytest.mark.parametrize("bad", ["dimension", "nan", "model", "untagged"])
+def test_query_vectors_of_another_shape_or_model_are_refused(vec_server, bad):
+    _, stub = vec_server
+    v = np.ones(DIM, np.float32) / np.sqrt(DIM)
+    req = {"dimension": vreq(np.ones(DIM + 3)), "nan": vreq(np.full(DIM, np.nan)),
+           "model": vreq(v, model="someone-elses-model@1"), "untagged": vreq(v, model="")}[bad]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Search(req, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_text_needs_a_model_the_server_does_not_have_but_lexical_works(vec_server):
+    _, stub = vec_server
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Search(pb.SearchRequest(collection="vec", text="vector document", top_k=5,
+                                     mode=pb.DENSE), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and MODEL in err.value.details()
+    hits = stub.Search(pb.SearchRequest(collection="vec", text="zyxvec7", top_k=5, mode=pb.LEXICAL),
+                       timeout=10).hits
+    assert [h.doc_id for h in hits] == ["v7"]
+
+
+def test_upserts_carry_their_own_chunk_vectors(vec_server, vector_collection):
+    _, stub = vec_server
+    rng = np.random.default_rng(9)
+    v = rng.standard_normal(DIM).astype(np.float32)
+    v /= np.linalg.norm(v)
+    ok = pb.UpsertDocumentRequest(collection="vec", doc_id="mine-1", version=1, vector_model_id=MODEL,
+                                  chunks=[pb.ChunkInput(text="zyxmine first part", vector=v.tolist()),
+                                          pb.ChunkInput(text="second part", vector=(-v).tolist())])
+    assert stub.UpsertDocument(ok, timeout=10).outcome == pb.WriteResponse.APPLIED
+    top = stub.Search(vreq(v, top_k=1), timeout=10).hits[0]
+    assert top.doc_id == "mine-1" and top.text == "zyxmine first part" and top.start_offset == 0
+    second = [h for h in stub.Search(vreq(-v, top_k=1), timeout=10).hits][0]
+    assert second.doc_id == "mine-1" and second.start_offset == len("zyxmine first part") + 2
+
+
+@pytest.mark.parametrize("bad", ["model", "dimension", "nan", "some-missing"])
+def test_bad_chunk_vectors_are_refused_and_change_nothing(vec_server, bad):
+    _, stub = vec_server
+    v = [0.1] * DIM
+    chunks = {"model": [pb.ChunkInput(text="zyxbadvec", vector=v)],
+              "dimension": [pb.ChunkInput(text="zyxbadvec", vector=v + [0.2])],
+              "nan": [pb.ChunkInput(text="zyxbadvec", vector=[float("nan")] * DIM)],
+              "some-missing": [pb.ChunkInput(text="zyxbadvec", vector=v),
+                               pb.ChunkInput(text="no vector")]}[bad]
+    req = pb.UpsertDocumentRequest(collection="vec", doc_id=f"bad-{bad}", version=1, chunks=chunks,
+                                   vector_model_id="other@1" if bad == "model" else MODEL)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpsertDocument(req, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    hits = stub.Search(pb.SearchRequest(collection="vec", text="zyxbadvec", top_k=5,
+                                        mode=pb.LEXICAL), timeout=10).hits
+    assert hits == []
+
+
+def test_search_batch_answers_each_query_in_its_slot(vec_server, vector_collection):
+    _, stub = vec_server
+    _, _, _, q, _ = vector_collection
+    good = [vreq(v) for v in q[:12]]
+    bad = {3: vreq(np.ones(DIM + 1)), 7: vreq(q[0], model="other@1"),
+           10: pb.SearchRequest(collection="no-such", top_k=5, text="x")}
+    queries = [bad.get(i, g) for i, g in enumerate(good)]
+    resp = stub.SearchBatch(pb.SearchBatchRequest(queries=queries), timeout=30)
+    assert len(resp.results) == len(queries)
+    for i, item in enumerate(resp.results):
+        if i in (3, 7):
+            assert item.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and item.message
+        elif i == 10:
+            assert item.code == grpc.StatusCode.NOT_FOUND.value[0]
+        else:
+            single = stub.Search(queries[i], timeout=10)
+            assert item.code == 0
+            assert [h.chunk_id for h in item.response.hits] == [h.chunk_id for h in single.hits]
+
+
+def test_a_batch_above_the_cap_is_refused(vec_server, vector_collection):
+    _, stub = vec_server
+    q = vector_collection[3]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SearchBatch(pb.SearchBatchRequest(queries=[vreq(q[0])] * 1025), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "1024" in err.value.details()
+
+
+def test_the_builder_takes_vectors_from_the_command_line(tmp_path):
+    rng = np.random.default_rng(1)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "text": f"doc {i}"}) + "\n" for i in range(300)))
+    np.save(tmp_path / "v.npy", rng.standard_normal((300, 16)).astype(np.float32))
+    np.save(tmp_path / "wrong.npy", rng.standard_normal((299, 16)).astype(np.float32))
+
+    def build(vectors, *extra):
+        return subprocess.run([sys.executable, "-m", "index_builder.cli", "build", "--data-dir",
+                               str(tmp_path / "data"), "--collection", "cli", "--corpus", str(corpus),
+                               "--vectors", str(vectors), "--quiet", *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    out = build(tmp_path / "wrong.npy", "--model-id", "m@1")
+    assert out.returncode == 2 and "299 vectors for 300 documents" in out.stderr
+    out = build(tmp_path / "v.npy")
+    assert out.returncode == 2 and "--model-id" in out.stderr
+    out = build(tmp_path / "v.npy", "--model-id", "m@1", "--publish")
+    assert out.returncode == 0, out.stderr
+    assert "model m@1" in out.stdout and "published" in out.stdout
+    assert "held-in" in out.stdout  # no held-out queries were given: the audit says so

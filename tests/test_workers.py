@@ -1,0 +1,105 @@
+"""`search-server serve --workers N`: N front-end processes share one port and feed one engine
+process: every front end answers, answers equal the single-process server's, and a write made
+through one front end is seen through all of them (one engine owns the index)."""
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import grpc
+import pytest
+
+from server.rpc import search_pb2 as pb
+from server.rpc import search_pb2_grpc as pb_grpc
+
+from conftest import _CHILDREN, REPO, start_core_server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workers(small_collection, tiny_embedder_dir):
+    data, _ = small_collection
+    port, metrics = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.main", "serve", "--data-dir", str(data), "--port", str(port),
+         "--workers", "2", "--metrics-port", str(metrics), "--device", "cpu", "--embedder",
+         str(tiny_embedder_dir), "--embedder-name", "tiny-test-embedder", "--log-level", "WARNING",
+         "--state-dir", str(data / ".state-workers")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _CHILDREN.append(proc)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(r"listening on 127\.0\.0\.1:\d+ \(2 front-end processes", line):
+            break
+    else:
+        raise RuntimeError("serve --workers exited before serving:\n" + "".join(lines))
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    yield proc, port, metrics
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def searches_answered(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    m = re.search(r'search_requests_total\{code="OK",method="Search"\} ([0-9.e+]+)', text)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_every_front_end_answers_and_answers_equal_one_process(workers, small_collection,
+                                                               tiny_embedder):
+    _, port, metrics = workers
+    single = start_core_server(small_collection[0], tiny_embedder,
+                               storage={"state_dir": small_collection[0] / ".state-single"})
+    try:
+        local = pb_grpc.SearchServiceStub(grpc.insecure_channel(single.address))
+        channels = [grpc.insecure_channel(f"127.0.0.1:{port}",
+                                          options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(32)]  # one connection each: the kernel spreads them
+        for i, ch in enumerate(channels):
+            req = pb.SearchRequest(collection="cran", text=["boundary layer", "shock wave",
+                                                           "heat transfer"][i % 3], top_k=5)
+            got = pb_grpc.SearchServiceStub(ch).Search(req, timeout=30)
+            want = local.Search(req, timeout=30)
+            assert [h.chunk_id for h in got.hits] == [h.chunk_id for h in want.hits]
+        for ch in channels:
+            ch.close()
+    finally:
+        single.stop()
+    assert searches_answered(metrics + 1) > 0 and searches_answered(metrics + 2) > 0
+
+
+def test_a_write_through_one_front_end_is_seen_through_all(workers):
+    _, port, _ = workers
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}",
+                                      options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(16)]
+    stubs = [pb_grpc.SearchServiceStub(ch) for ch in channels]
+    r = stubs[0].UpsertDocument(pb.UpsertDocumentRequest(collection="cran", doc_id="w-1", version=1,
+                                                         text="zyxworkers one engine"), timeout=30)
+    assert r.outcome == pb.WriteResponse.APPLIED
+    for stub in stubs:
+        hits = stub.Search(pb.SearchRequest(collection="cran", text="zyxworkers", top_k=3,
+                                            mode=pb.LEXICAL), timeout=30).hits
+        assert [h.doc_id for h in hits] == ["w-1"]
+    for ch in channels:
+        ch.close()
+
+
+def test_sigterm_stops_the_engine_and_every_front_end(workers):
+    proc, port, _ = workers
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 2
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    for pid in children:
+        assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0
