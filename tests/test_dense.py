@@ -157,3 +157,18 @@ def test_tuning_picks_the_cheapest_setting_that_meets_the_target(data):
     if below:  # the setting just below the chosen one missed the target
         assert probe.measure(SearchKnobs(ef_search=below[-1]))[0] < 0.99
     assert [s["knobs"]["ef_search"] for s in sweep] == list(EF_GRID[:len(sweep)])
+
+
+def test_the_gpu_check_script_runs_every_section_through_the_product_code():
+    """bench/gpu_check.py has to work the first time a GPU machine is lent: its sections run here
+    on the CPU through the same code (placement falls back to the CPU)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-dry-run", "--n", "4000",
+                          "--sections", "faiss,engine"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "IVF1024,PQ64" in out.stdout and "engine batching on" in out.stdout

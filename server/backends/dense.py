@@ -11,6 +11,7 @@ merge and fusion code never needs to know the metric.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import numpy as np
 from server.backends.device import Device
 from server.errors import IndexCorruptError
 
+log = logging.getLogger(__name__)
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 
 
@@ -34,15 +36,24 @@ class SearchKnobs:
     k_factor: int = 4  # refine (exact re-scoring) shortlist = k * k_factor
 
 
+# HNSW graphs are built with efConstruction 64 (faiss's default is 40; pgvector, hnswlib and
+# Qdrant build with 64-100): a better graph needs a smaller efSearch for the same recall.
+HNSW_EF_CONSTRUCTION = 64
+
+
 def make_index(factory: str, dim: int, metric: str) -> faiss.Index:
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {sorted(METRICS)}, not {metric!r}")
     if re.search(r"IDMap", factory):
         raise ValueError("factory strings must not contain IDMap: rows map to chunk ids outside faiss")
     try:
-        return faiss.index_factory(dim, factory, METRICS[metric])
+        index = faiss.index_factory(dim, factory, METRICS[metric])
     except RuntimeError as exc:
         raise ValueError(f"faiss cannot build factory string {factory!r}: {exc}") from exc
+    inner = _unwrap(index)
+    if isinstance(inner, faiss.IndexHNSW):
+        inner.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+    return index
 
 
 def training_size(index: faiss.Index) -> int:
@@ -137,8 +148,7 @@ class DenseIndex:
             return np.full((nq, k), -np.inf, np.float32), np.full((nq, k), -1, np.int64)
         knobs = knobs or self.knobs
         if self.placement != "cpu" and allowed is None:  # GPU indexes take no selector
-            _set_gpu_knobs(self.index, knobs)
-            scores, rows = self.index.search(queries, k)
+            scores, rows = self.index.search(queries, k, params=_gpu_params(self.index, knobs, k))
         else:
             scores, rows = self.cpu_index.search(queries, k, params=self.params(knobs, allowed))
         if self.metric == "l2":
@@ -152,7 +162,12 @@ class DenseIndex:
         x = np.ascontiguousarray(vectors, dtype=np.float32)
         self.cpu_index.add(x)
         if self.index is not self.cpu_index:
-            self.index.add(x)
+            try:
+                self.index.add(x)
+            except RuntimeError as exc:  # a CAGRA graph takes no adds: serve from the CPU index
+                log.warning("the %s index took no streaming add (%s); searching the CPU index "
+                            "until the next build", self.placement, exc)
+                self.index, self.placement = self.cpu_index, "cpu"
         self.row_ids = np.concatenate([self.row_ids, np.asarray(chunk_ids, dtype=np.int64)])
         return first
 
@@ -257,10 +272,15 @@ def exact_search(vectors, rows: np.ndarray, queries: np.ndarray, k: int,
     return out
 
 
-def _set_gpu_knobs(index, knobs: SearchKnobs) -> None:
-    """GPU indexes take their knobs as attributes, not SearchParameters."""
+def _gpu_params(index, knobs: SearchKnobs, k: int):
+    """GPU search knobs: CAGRA's internal top-k list (efSearch's role), IVF's nprobe."""
+    if hasattr(faiss, "SearchParametersCagra") and type(index).__name__ == "GpuIndexCagra":
+        params = faiss.SearchParametersCagra()
+        params.itopk_size = max(k, knobs.ef_search)
+        return params
     if hasattr(index, "nprobe"):
         index.nprobe = knobs.nprobe
+    return None
 
 
 def _skip_polysemous_training(index: faiss.Index) -> None:

@@ -40,6 +40,7 @@ class Device:
     prefer: str = "auto"
     faiss_gpus: int = field(init=False)
     torch_cuda: bool = field(init=False)
+    _resources: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.prefer not in ("auto", "cpu", "cuda"):
@@ -63,21 +64,45 @@ class Device:
     def describe(self) -> str:
         return f"faiss_gpus={self.faiss_gpus} torch={self.torch_device}"
 
+    def gpu_resources(self, gpu: int):
+        """One faiss StandardGpuResources per GPU, shared by the shards placed on it (each one
+        reserves scratch memory: one per index would waste it)."""
+        res = self._resources.get(gpu)
+        if res is None:
+            res = self._resources[gpu] = faiss.StandardGpuResources()
+        return res
+
     def place_index(self, index: "faiss.Index", shard: int) -> tuple["faiss.Index", str]:
-        """Return (index to search, where) — a GPU copy when possible, else the CPU index."""
+        """Return (index to search, where) - a GPU index when possible, else the CPU index.
+
+        Shard i goes to GPU i mod n (one shard per GPU on a multi-GPU host). Flat and IVF
+        (IVF-Flat, IVF-PQ) indexes are cloned to the GPU; an HNSW index becomes a CAGRA graph
+        built on the GPU from the same vectors when faiss has cuVS (GpuIndexCagra). Fast-scan PQ
+        and refine wrappers have no GPU version and stay on the CPU, logged. The caller keeps the
+        CPU index for searches with a selector (GPU indexes take none)."""
         if self.faiss_gpus == 0:
             return index, "cpu"
         gpu = shard % self.faiss_gpus
+        inner = faiss.downcast_index(index)
         try:
-            res = faiss.StandardGpuResources()
+            res = self.gpu_resources(gpu)
+            if isinstance(inner, faiss.IndexHNSW) and hasattr(faiss, "GpuIndexCagra"):
+                cfg = faiss.GpuIndexCagraConfig()
+                cfg.device = gpu
+                cfg.graph_degree = 32
+                cfg.intermediate_graph_degree = 64
+                cagra = faiss.GpuIndexCagra(res, index.d, index.metric_type, cfg)
+                cagra.train(index.reconstruct_n(0, index.ntotal))  # builds the graph on the GPU
+                cagra.referenced_resources = res
+                return cagra, f"cuda:{gpu} (CAGRA)"
             opts = faiss.GpuClonerOptions()
             opts.useFloat16 = os.environ.get("SEARCH_GPU_FP16", "0") == "1"
             gpu_index = faiss.index_cpu_to_gpu(res, gpu, index, opts)
             gpu_index.referenced_resources = res  # keep the resources alive with the index
             return gpu_index, f"cuda:{gpu}"
-        except Exception as exc:  # HNSW, fast-scan PQ and refine wrappers have no GPU version
+        except Exception as exc:  # HNSW without cuVS, fast-scan PQ and refine: no GPU version
             log.warning("shard %d stays on CPU: faiss cannot place %s on GPU (%s)",
-                        shard, type(index).__name__, exc)
+                        shard, type(inner).__name__, exc)
             return index, "cpu"
 
 

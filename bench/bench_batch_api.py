@@ -1,0 +1,99 @@
+"""SearchBatch through the service against faiss's own batched search on the same index file.
+
+    .venv/bin/python bench/bench_batch_api.py --vectors V.npy [--batch 1000] [--repeats 5]
+
+1. Builds a collection from the vectors (the last --batch rows are the queries), HNSW16, with
+   efSearch set to the smallest value whose recall@10 reaches --target-recall (measured with
+   faiss on the built file), and serves it (`search-server serve`, no embedding model).
+2. Sends the --batch queries as ONE SearchBatch call (dense, top_k 10), --repeats times, from this
+   process (it builds the request each time, as a client would); QPS = queries / wall time.
+3. Searches the same queries with faiss on the same dense.faiss file, one batched call with all
+   OpenMP threads, --repeats times.
+Prints both, their ratio, and both recalls against exact search, measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engines as E  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vectors", required=True)
+    ap.add_argument("--batch", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--target-recall", type=float, default=0.95)
+    args = ap.parse_args(argv)
+
+    import faiss
+
+    sys.path.insert(0, str(E.REPO_ROOT))
+    import grpc
+    from server.rpc import search_pb2 as pb
+    from server.rpc import search_pb2_grpc as pb_grpc
+
+    X = np.ascontiguousarray(np.load(args.vectors), dtype=np.float32)
+    xb, xq = X[:-args.batch], X[-args.batch:]
+    gt = E.exact_topk(xb, xq, 10)
+    engine = E.SearchServiceEngine()
+    try:
+        engine.build(xb)
+        index = faiss.read_index(str(engine.store.build_dir("bench", engine.desc.build_id)
+                                     / "shard-000" / "dense.faiss"))
+        ef = None
+        for value in (16, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256):
+            index.hnsw.efSearch = value
+            _, ids = index.search(xq, 10)
+            if E.recall_at_k(list(ids), gt, 10) >= args.target_recall:
+                ef = value
+                break
+        engine.set_knob(ef)
+        faiss.omp_set_num_threads(E.NCPU)
+        _, ids = index.search(xq, 10)
+        faiss_recall = E.recall_at_k(list(ids), gt, 10)
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            index.search(xq, 10)
+        faiss_qps = args.batch * args.repeats / (time.perf_counter() - t0)
+
+        channel = grpc.insecure_channel(f"127.0.0.1:{engine.port}",
+                                        options=[("grpc.max_receive_message_length", 64 << 20)])
+        stub = pb_grpc.SearchServiceStub(channel)
+
+        def call():
+            req = pb.SearchBatchRequest(queries=[pb.SearchRequest(
+                collection="bench", top_k=10, mode=pb.DENSE,
+                vector=pb.QueryVector(values=q.tolist(), model_id=engine.MODEL)) for q in xq])
+            return stub.SearchBatch(req, timeout=120)
+
+        resp = call()  # warm-up, and the answers for recall
+        assert all(r.code == 0 for r in resp.results), [r.message for r in resp.results if r.code][:3]
+        service_recall = E.recall_at_k([[int(h.doc_id) for h in r.response.hits] for r in resp.results],
+                                       gt, 10)
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            call()
+        service_qps = args.batch * args.repeats / (time.perf_counter() - t0)
+        channel.close()
+    finally:
+        engine.close()
+    print(f"{len(xb)} x {X.shape[1]}-d, HNSW16 efSearch={ef}, batches of {args.batch} queries, "
+          f"{args.repeats} repeats, {E.NCPU} CPUs\n")
+    print("| path | recall@10 | queries/s |")
+    print("|---|---|---|")
+    print(f"| faiss, one batched call on the index file (all OpenMP threads) | {faiss_recall:.4f} | "
+          f"{faiss_qps:,.0f} |")
+    print(f"| service, one SearchBatch call over gRPC | {service_recall:.4f} | {service_qps:,.0f} |")
+    print(f"\nSearchBatch / faiss batched: {service_qps / faiss_qps:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
