@@ -121,6 +121,11 @@ def run_router(cfg: ServerConfig) -> None:
 
 
 def default_replica_id(cfg: ServerConfig) -> str:
-    return cfg.shard.replica_id or os.environ.get("HOSTNAME") or f"{socket.gethostname()}-{cfg.listen.port}"
+    """--replica-id, else the pod/host name (stable in a StatefulSet), with the port (or, for an
+    ephemeral port, the pid) so replicas sharing a host and a data volume stay apart."""
+    if cfg.shard.replica_id:
+        return cfg.shard.replica_id
+    host = os.environ.get("HOSTNAME") or socket.gethostname()
+    return f"{host}-{cfg.listen.port or os.getpid()}"
 
 

@@ -139,29 +139,28 @@ def shards_of(srv, name):
     return srv.core.registry.get(name).shards
 
 
-class ShardProcess:
-    """A real shard server process (`search-server shard`) on an ephemeral loopback port."""
+class ServiceProcess:
+    """A real `search-server` process on an ephemeral loopback port: started with `args`, ready
+    once it prints its "listening on" line (every wait bounded by the child's own exit)."""
 
-    def __init__(self, data_dir, collection, shard, *flags):
+    def __init__(self, args, what="server"):
         import re
         import subprocess
         import sys
 
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.main", "shard", "--data-dir", str(data_dir),
-             "--collection", collection, "--shard", str(shard), "--port", "0", "--device", "cpu",
-             "--log-level", "WARNING", *flags],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.args = list(args)
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.main", *self.args], cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         _CHILDREN.append(self.proc)
         self.lines = []
         for line in self.proc.stdout:  # the server prints its port once it is serving
             self.lines.append(line)
-            m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+            m = re.search(r"listening on [0-9.]+:(\d+)", line)
             if m:
                 self.port = int(m.group(1))
                 break
         else:
-            raise RuntimeError("shard server exited before serving:\n" + "".join(self.lines))
+            raise RuntimeError(f"{what} exited before serving:\n" + "".join(self.lines))
         # keep draining its output so a chatty child never blocks on a full pipe
         self.drain = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.drain.start()
@@ -178,23 +177,38 @@ class ShardProcess:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(10)
+                self.proc.wait(15)
             except Exception:
                 self.kill()
 
 
-def start_router(embedder, collection, replicas, policy=None, token=None, write_log=None, **sections):
-    """An in-process router (real gRPC server) over shard server processes."""
+class ShardProcess(ServiceProcess):
+    """A real shard server process (`search-server shard`) on an ephemeral loopback port."""
+
+    def __init__(self, data_dir, collection, shard, *flags):
+        super().__init__(["shard", "--data-dir", str(data_dir), "--collection", collection,
+                          "--shard", str(shard), "--port", "0", "--device", "cpu",
+                          "--log-level", "WARNING", *flags], "shard server")
+
+
+def start_router(embedder, collection, replicas, policy=None, token=None, write_log=None,
+                 follow_builds_s=None, **sections):
+    """An in-process router (real gRPC server) over shard server processes; with
+    `follow_builds_s` it re-reads the replicas' builds that often, as `search-server router` does."""
+    import asyncio
+
     from server.backends.device import Device
     from server.core.replicas import HedgePolicy
     from server.core.service import SearchCore
     from server.transport.auth import AnonymousAuth
-    from server.transport.router import connect_router
+    from server.transport.router import connect_router, follow_builds
 
     core = SearchCore(server_config(REPO, **sections), embedder, None, Device("cpu"), write_log)
 
     async def setup():
         await connect_router(core, collection, replicas, policy or HedgePolicy(), token=token)
+        if follow_builds_s:
+            asyncio.get_running_loop().create_task(follow_builds(core, collection, follow_builds_s))
 
     return ServerThread(core, AnonymousAuth("default"), setup).start()
 

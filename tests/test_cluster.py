@@ -286,3 +286,105 @@ def test_a_router_refuses_writes_and_compaction_with_a_clear_status(cluster):
         pb_grpc.AdminServiceStub(ch).Compact(pb.CompactRequest(collection="cran3"), timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "local" in err.value.details()
     ch.close()
+
+
+def test_a_replica_on_another_build_is_routed_around_and_the_router_follows_a_finished_rollout(
+        tmp_path, tiny_embedder, cranfield_docs):
+    """Regression (issue 10.1): two `shard --build B1` replicas and a router; B2 published and one
+    replica restarted without --build (so it serves B2): 340 of 400 router queries failed with
+    FAILED_PRECONDITION. Now the B2 replica is out of rotation until every replica serves B2, and
+    then the router follows."""
+    from server.core.collection import CollectionStore
+
+    b1 = publish_build(tmp_path, "bf", cranfield_docs[:40], tiny_embedder)
+    store = CollectionStore(tmp_path)
+    from index_builder.build import audit_build, build_collection
+
+    b2 = build_collection(cranfield_docs[40:80], store, "bf", tiny_embedder, quiet=True)
+    audit_build(store, "bf", b2.build_id)
+    r1 = ShardProcess(tmp_path, "bf", 0, "--build", b1.build_id)
+    r2 = ShardProcess(tmp_path, "bf", 0, "--build", b1.build_id)
+    router = start_router(tiny_embedder, "bf", [[r1.address, r2.address]], follow_builds_s=0.3)
+    try:
+        stub = stub_for(router.address)
+        store.publish("bf", b2.build_id)
+        r2.stop()
+        r2 = ShardProcess(tmp_path, "bf", 0, "--port", str(r2.port))  # the live build: B2
+        builds = set()
+        for i in range(200):
+            resp = stub.Search(pb.SearchRequest(collection="bf", text=QUERIES[i % len(QUERIES)],
+                                                top_k=3), timeout=10)
+            builds.add(resp.build_id)
+        assert builds == {b1.build_id}  # every query answered, from the build the router serves
+        r1.stop()  # the last B1 replica: until it is back on B2 no replica serves the router's
+        r1 = ShardProcess(tmp_path, "bf", 0, "--port", str(r1.port))  # build, and none may mix
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if stub.Search(pb.SearchRequest(collection="bf", text="flow", top_k=3),
+                               timeout=10).build_id == b2.build_id:
+                    break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() < deadline, "the router did not follow the finished rollout"
+            time.sleep(0.2)
+    finally:
+        router.stop()
+        r1.stop()
+        r2.stop()
+
+
+def test_a_stopped_replica_costs_no_query_its_deadline(three_shard_build, tiny_embedder):
+    """Regression (issue 10.4): one replica of two SIGSTOPped under 8 client threads with a 3 s
+    deadline failed 11 queries (8 in hybrid mode even with unlimited hedging): FetchChunks was not
+    hedged, and a cancelled hedge loser made the hung replica look idle. Now fetches are hedged,
+    lost hedges count against a replica, and a stalled replica is ejected from first attempts."""
+    import os
+    import signal
+
+    a, b = ShardProcess(three_shard_build, "cran1", 0), ShardProcess(three_shard_build, "cran1", 0)
+    router = start_router(tiny_embedder, "cran1", [[a.address, b.address]],
+                          pipeline={"retrieval_cache_size": 0, "text_top_n": 2})
+    errors, wrong, done = [], [], []
+    stop = threading.Event()
+
+    def ask(stub, q, mode):
+        resp = stub.Search(pb.SearchRequest(collection="cran1", text=q, top_k=10, mode=mode), timeout=3)
+        return [h.chunk_id for h in resp.hits]
+
+    baseline_stub = stub_for(router.address)
+    expected = {(q, m): ask(baseline_stub, q, m) for q in QUERIES for m in (pb.HYBRID, pb.LEXICAL)}
+
+    def client(i):
+        stub = stub_for(router.address)
+        n = 0
+        while not stop.is_set():
+            mode = (pb.HYBRID, pb.LEXICAL)[n % 2]
+            q = QUERIES[(i + n) % len(QUERIES)]
+            try:
+                if ask(stub, q, mode) != expected[(q, mode)]:
+                    wrong.append((q, mode))
+            except grpc.RpcError as err:
+                errors.append(f"{err.code().name}: {err.details()}")
+            n += 1
+        done.append(n)
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        time.sleep(5.0)
+        os.kill(a.proc.pid, signal.SIGCONT)
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        replica_set = router.core.registry.get("cran1").shards[0]
+    finally:
+        router.stop()
+        a.stop()
+        b.stop()
+    assert errors == [] and wrong == []
+    assert sum(done) > 100 and replica_set.stats["ejections"] >= 1

@@ -183,15 +183,29 @@ def test_cache_entries_never_survive_a_write_that_changes_their_answer(live):
     assert docs_for(stub, "zyxepsilon")[0] == []
 
 
-def test_writes_survive_a_restart(live_build, tiny_embedder, live):
-    srv, stub = live
-    upsert(stub, "durable-1", 7, "zyxeta durable write")
-    other = start_core_server(live_build[0], tiny_embedder)  # a second process view of the same store
+def test_writes_survive_a_restart(tmp_path, tiny_embedder, cranfield_docs):
+    publish_build(tmp_path, "live", cranfield_docs[:20], tiny_embedder)
+    srv = start_core_server(tmp_path, tiny_embedder)
     try:
-        with grpc.insecure_channel(other.address) as ch:
+        with grpc.insecure_channel(srv.address) as ch:
+            assert upsert(pb_grpc.SearchServiceStub(ch), "durable-1", 7, "zyxeta durable write").outcome == APPLIED
+    finally:
+        srv.stop()
+    again = start_core_server(tmp_path, tiny_embedder)
+    try:
+        with grpc.insecure_channel(again.address) as ch:
             assert docs_for(pb_grpc.SearchServiceStub(ch), "zyxeta")[0] == ["durable-1"]
     finally:
-        other.stop()
+        again.stop()
+
+
+def test_a_second_engine_on_the_same_state_is_refused_naming_it(live_build, live):
+    """Regression (issue 10.5): a shard server reading a state another process wrote to answered
+    INTERNAL (IndexError in candidates); one engine per state directory is now enforced."""
+    from server.errors import FailedPrecondition
+
+    with pytest.raises(FailedPrecondition, match=r"\.state.*in use by pid \d+"):
+        start_core_server(live_build[0], None)
 
 
 # --- kill -9 during replaces ------------------------------------------------------------------

@@ -42,14 +42,20 @@ class ShardReplica:
         self.faults = FaultSpec(s.inject_delay_prob, s.inject_delay_ms, s.inject_fail_prob,
                                 s.inject_hang_prob, s.inject_seed)
         self.served = None  # what the servicer calls: the shard, or its fault-injecting wrapper
+        from server.roles import default_replica_id
+
+        self.replica_id = default_replica_id(cfg)
+        # each replica its own state (replicas may share one data volume): named by replica id
+        self.state_root = (cfg.storage.state_dir
+                           or cfg.storage.data_dir / ".state" / "replicas" / self.replica_id)
 
     def _open(self, build_id: str) -> LocalShard:
         desc = self.store.descriptor(self.collection, build_id)
         if not 0 <= self.shard_no < desc.shards:
             raise ValueError(f"--shard must be within 0..{desc.shards - 1} for build {build_id}")
         return LocalShard.open(desc, self.store.build_dir(self.collection, build_id),
-                               self.cfg.storage.resolved_state_dir(), self.shard_no, self.device,
-                               self.cfg.engine, self.pools, self.cfg.replication.apply_batch)
+                               self.state_root, self.shard_no, self.device, self.cfg.engine,
+                               self.pools, self.cfg.replication.apply_batch)
 
     async def start(self) -> None:
         if self.collection is None or self.shard_no is None:
@@ -68,9 +74,8 @@ class ShardReplica:
 
     def _replicator(self, local: LocalShard):
         from server.replication.log import ShardReplicator
-        from server.roles import default_replica_id
 
-        return ShardReplicator(self.js, local, default_replica_id(self.cfg), self.cfg.replication)
+        return ShardReplicator(self.js, local, self.replica_id, self.cfg.replication)
 
     def status(self) -> str:
         return self.replicator.state() if self.replicator is not None else "serving"

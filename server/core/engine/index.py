@@ -44,7 +44,7 @@ from server.backends.lexical import LexicalIndex
 from server.core import metrics
 from server.core.chunking import chunk_id
 from server.core.collection import ReleaseDescriptor, shard_dir_name
-from server.core.engine.state import prepare, state_shard_dir
+from server.core.engine.state import lock_state, prepare, state_shard_dir
 from server.core.rwlock import RWLock
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
                                ShardWrite, WriteOutcome)
@@ -96,6 +96,7 @@ class ShardIndex:
         self.directory = self.build_dir
         self.state_dir = prepare(self.build_dir, state_shard_dir(state_root, desc.collection,
                                                                  desc.build_id, name))
+        self._lock = lock_state(self.state_dir)
         knobs = SearchKnobs(**desc.search_defaults) if desc.search_defaults else SearchKnobs()
         files = desc.shard_files.get(name, {})
         self.dense = DenseIndex.load(self.build_dir, desc.metric, files, knobs, device, shard_no)
@@ -502,6 +503,9 @@ class ShardIndex:
     def close(self) -> None:
         self.lexical.close()
         self.store.close()
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
 
 
 def crash_point(name: str) -> None:

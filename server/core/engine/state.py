@@ -106,3 +106,25 @@ def _link_tree(src: Path, dst: Path) -> None:
             if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EACCES, errno.EROFS, errno.EMLINK):
                 raise
             shutil.copy2(entry, target)
+
+
+def lock_state(state_shard: Path):
+    """One engine per state directory: two processes writing one SQLite store and BM25 index
+    would each hold a stale picture of the other's rows. Returns the open lock file (closing it
+    releases the lock; the kernel releases it when the process dies)."""
+    path = Path(state_shard) / ".engine.lock"
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "another process"
+        f.close()
+        raise FailedPrecondition(
+            f"the shard state {state_shard} is in use by {owner}: give each server process its "
+            "own --state-dir (or --replica-id for shard servers)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f

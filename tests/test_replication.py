@@ -1,0 +1,199 @@
+"""Writes across machines through the replicated write log (NATS JetStream, a real nats-server):
+the router appends, every replica applies in log order and converges; reads carrying their
+write's sequence see it; a restarted replica catches up before it serves; the shard port takes
+only the router's credential and enforces the API's limits itself."""
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from server.rpc import search_pb2 as pb
+from server.rpc import search_pb2_grpc as pb_grpc
+from server.rpc import shard_pb2 as spb
+from server.rpc import shard_pb2_grpc as spb_grpc
+
+from conftest import ServiceProcess, ShardProcess, publish_build
+from nats_fixture import nats_server  # noqa: F401  (the module's JetStream server)
+
+TOKEN = "router-credential-for-tests-0123456789"
+APPLIED, ACCEPTED = pb.WriteResponse.APPLIED, pb.WriteResponse.ACCEPTED
+
+
+@pytest.fixture(scope="module")
+def repl_build(tmp_path_factory, tiny_embedder, cranfield_docs):
+    data = tmp_path_factory.mktemp("repl")
+    desc = publish_build(data, "rc", cranfield_docs[:60], tiny_embedder, shards=2)
+    (data / "token").write_text(TOKEN)
+    return data, desc
+
+
+def shard_proc(data, shard, replica, nats_url, *extra):
+    return ShardProcess(data, "rc", shard, "--nats", nats_url, "--replica-id", f"r{shard}-{replica}",
+                        "--shard-token-file", str(data / "token"), *extra)
+
+
+@pytest.fixture(scope="module")
+def cluster(repl_build, nats_server, tiny_embedder_dir):  # noqa: F811
+    data, _ = repl_build
+    shards = [[shard_proc(data, s, r, nats_server.url) for r in range(2)] for s in range(2)]
+    router = ServiceProcess(
+        ["router", "--collection", "rc", "--port", "0", "--device", "cpu", "--log-level", "WARNING",
+         "--nats", nats_server.url, "--shard-token-file", str(data / "token"),
+         "--embedder", str(tiny_embedder_dir), "--embedder-name", "tiny-test-embedder",
+         *[x for reps in shards for x in ("--replicas", ",".join(p.address for p in reps))]],
+        "router")
+    ch = grpc.insecure_channel(router.address)
+    yield {"data": data, "shards": shards, "router": router, "stub": pb_grpc.SearchServiceStub(ch),
+           "admin": pb_grpc.AdminServiceStub(ch), "nats": nats_server}
+    ch.close()
+    router.stop()
+    for reps in shards:
+        for p in reps:
+            p.stop()
+
+
+def write(stub, doc_id, version, text=None):
+    if text is None:
+        return stub.DeleteDocument(pb.DeleteDocumentRequest(collection="rc", doc_id=doc_id,
+                                                            version=version), timeout=30)
+    return stub.UpsertDocument(pb.UpsertDocumentRequest(collection="rc", doc_id=doc_id,
+                                                        version=version, text=text), timeout=30)
+
+
+def lexical(stub, text, min_seq=0, top_k=10):
+    resp = stub.Search(pb.SearchRequest(collection="rc", text=text, top_k=top_k, mode=pb.LEXICAL,
+                                        min_applied_sequence=min_seq), timeout=30)
+    return [h.doc_id for h in resp.hits]
+
+
+def replica_states(admin, digest=True):
+    stats = admin.CollectionStats(pb.CollectionStatsRequest(collection="rc", digest=digest), timeout=60)
+    return stats.replicas
+
+
+def wait_converged(admin, deadline_s=30.0):
+    end = time.monotonic() + deadline_s
+    while True:
+        states = replica_states(admin)
+        by_shard = {}
+        for r in states:
+            by_shard.setdefault(r.shard, []).append(r)
+        if all(len({(r.applied_sequence, r.live_digest) for r in rs}) == 1 and
+               all(r.state == "serving" for r in rs) for rs in by_shard.values()):
+            return by_shard
+        if time.monotonic() > end:
+            raise AssertionError(f"replicas did not converge: {states}")
+        time.sleep(0.2)
+
+
+def test_writes_through_the_router_are_logged_and_read_your_writes_holds(cluster):
+    stub = cluster["stub"]
+    seqs = []
+    for i in range(8):
+        r = write(stub, f"log-{i}", 1, f"zyxlog{i} replicated write number {i}")
+        assert r.outcome == ACCEPTED and r.sequence > 0
+        seqs.append(r.sequence)
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    # each read carries its write's sequence: never a stale version, whichever replica answers
+    for i in range(8):
+        assert lexical(stub, f"zyxlog{i}", seqs[i]) == [f"log-{i}"]
+    r2 = write(stub, "log-3", 2, "zyxlogreplaced the second version")
+    assert lexical(stub, "zyxlogreplaced", r2.sequence) == ["log-3"]
+    assert lexical(stub, "zyxlog3", r2.sequence) == []
+    d = write(stub, "log-5", 2)
+    assert lexical(stub, "zyxlog5", d.sequence) == []
+
+
+def test_a_retried_write_is_stored_once(cluster):
+    stub = cluster["stub"]
+    first = write(stub, "retry-1", 4, "zyxretry the same write sent twice")
+    again = write(stub, "retry-1", 4, "zyxretry the same write sent twice")
+    assert again.sequence == first.sequence  # the log dropped the duplicate (same message id)
+
+
+def test_replicas_that_applied_the_same_log_hold_the_same_rows_and_answer_the_same(cluster):
+    by_shard = wait_converged(cluster["admin"])
+    assert set(by_shard) == {0, 1} and all(len(rs) == 2 for rs in by_shard.values())
+    assert all(rs[0].applied_sequence > 0 for rs in by_shard.values())
+    md = (("authorization", f"Bearer {TOKEN}"),)
+    rng = np.random.default_rng(3)
+    build = replica_states(cluster["admin"], digest=False)[0].build_id
+    for reps in cluster["shards"]:
+        queries = [spb.ShardQuery(build_id=build, tenant="default", text=t, dense_depth=10,
+                                  lexical_depth=10, model_id="", vector=b"")
+                   for t in ("zyxlog1 replicated", "flow over a plate", "zyxretry")]
+        vec = rng.standard_normal(32).astype("<f4")
+        answers = []
+        for p in reps:
+            with grpc.insecure_channel(p.address) as ch:
+                resp = spb_grpc.ShardServiceStub(ch).SearchShard(
+                    spb.ShardSearchRequest(queries=queries), metadata=md, timeout=10)
+            answers.append([[h.chunk_id for h in r.lexical] for r in resp.results])
+        assert answers[0] == answers[1]
+
+
+def test_a_replica_that_was_down_catches_up_before_it_serves(cluster):
+    data, nats = cluster["data"], cluster["nats"]
+    stub, admin = cluster["stub"], cluster["admin"]
+    victim = cluster["shards"][0][1]
+    victim.kill()
+    last = None
+    for i in range(10):
+        last = write(stub, f"down-{i}", 1, f"zyxdown{i} written while a replica was down")
+    for i in range(10):  # the surviving replicas answer, with the writes
+        assert lexical(stub, f"zyxdown{i}", last.sequence) == [f"down-{i}"]
+    reborn = shard_proc(data, 0, 1, nats.url, "--port", str(victim.port))  # same id: same state
+    cluster["shards"][0][1] = reborn
+    by_shard = wait_converged(admin)
+    assert by_shard[0][0].applied_sequence >= last.sequence or by_shard[1][0].applied_sequence >= last.sequence
+
+
+def test_the_shard_port_requires_the_router_credential(cluster):
+    shard = cluster["shards"][1][0]
+    with grpc.insecure_channel(shard.address) as ch:
+        stub = spb_grpc.ShardServiceStub(ch)
+        for md in ((), (("authorization", "Bearer wrong-token"),)):
+            for call in (lambda: stub.ShardInfo(spb.ShardInfoRequest(), metadata=md, timeout=5),
+                         lambda: stub.SearchShard(spb.ShardSearchRequest(queries=[spb.ShardQuery(
+                             tenant="canary", text="zyxlog1", lexical_depth=100)]), metadata=md, timeout=5),
+                         lambda: stub.FetchChunks(spb.FetchChunksRequest(tenant="beta",
+                                                                         rows=list(range(200))),
+                                                  metadata=md, timeout=5)):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_shard_port_enforces_the_api_limits_itself(cluster):
+    """Regression (issue 10.3): lexical_depth 2^32-1 killed the shard process; 5000 filters and
+    rows of 2^63 answered INTERNAL."""
+    shard = cluster["shards"][1][0]
+    md = (("authorization", f"Bearer {TOKEN}"),)
+    build = replica_states(cluster["admin"], digest=False)[0].build_id
+    with grpc.insecure_channel(shard.address) as ch:
+        stub = spb_grpc.ShardServiceStub(ch)
+        huge = spb.ShardQuery(build_id=build, tenant="default", text="flow", lexical_depth=2 ** 32 - 1)
+        many = spb.ShardQuery(build_id=build, tenant="default", text="flow", lexical_depth=10,
+                              filters=[spb.ShardFilter(key=f"k{i}", any_of=["v"]) for i in range(5000)])
+        resp = stub.SearchShard(spb.ShardSearchRequest(queries=[huge, many]), metadata=md, timeout=10)
+        assert [r.code for r in resp.results] == [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 2
+        with pytest.raises(grpc.RpcError) as err:
+            stub.FetchChunks(spb.FetchChunksRequest(build_id=build, tenant="default", rows=[2 ** 63]),
+                             metadata=md, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert stub.ShardInfo(spb.ShardInfoRequest(), metadata=md, timeout=10).chunks > 0  # still up
+
+
+def test_a_shard_server_will_not_open_its_port_beyond_loopback_without_credentials(repl_build):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    data, _ = repl_build
+    out = subprocess.run([sys.executable, "-m", "server.main", "shard", "--data-dir", str(data),
+                          "--collection", "rc", "--shard", "0", "--host", "0.0.0.0", "--port", "0",
+                          "--device", "cpu", "--replica-id", "open-door"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--shard-token-file" in out.stderr and "mutual TLS" in out.stderr
