@@ -143,14 +143,15 @@ class ServiceProcess:
     """A real `search-server` process on an ephemeral loopback port: started with `args`, ready
     once it prints its "listening on" line (every wait bounded by the child's own exit)."""
 
-    def __init__(self, args, what="server"):
+    def __init__(self, args, what="server", prefix=()):
         import re
         import subprocess
         import sys
 
         self.args = list(args)
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.main", *self.args], cwd=REPO,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "server.main", *self.args],
+                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
         _CHILDREN.append(self.proc)
         self.lines = []
         for line in self.proc.stdout:  # the server prints its port once it is serving
