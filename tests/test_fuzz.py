@@ -109,7 +109,8 @@ def test_the_server_is_healthy_and_unchanged_after_the_fuzzing(channel):
 def test_a_flood_of_concurrent_streams_is_answered_or_shed(small_collection, tiny_embedder):
     from conftest import start_core_server
 
-    srv = start_core_server(small_collection[0], tiny_embedder, listen={"max_inflight": 16})
+    srv = start_core_server(small_collection[0], tiny_embedder, listen={"max_inflight": 16},
+                            storage={"state_dir": small_collection[0] / ".state-flood"})
     try:
         with grpc.insecure_channel(srv.address) as ch:
             stub = pb_grpc.SearchServiceStub(ch)

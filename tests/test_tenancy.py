@@ -67,10 +67,12 @@ def tenant_build(tmp_path_factory, tiny_embedder, cranfield_docs):
     return data, desc
 
 
-def make_server(data, embedder, tls=None):
+def make_server(data, embedder, tls=None, state="state"):
+    """Each server its own state directory (one engine per state)."""
     from server.transport.auth import TokenFileAuth
 
-    return start_core_server(data, embedder, auth=TokenFileAuth(data / "tokens.json"), tls=tls)
+    return start_core_server(data, embedder, auth=TokenFileAuth(data / "tokens.json"), tls=tls,
+                             storage={"state_dir": data / f".{state}"})
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +214,7 @@ def test_tls_listener_serves_tls_clients_only(tenant_build, tiny_embedder, tmp_p
                     "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
                    check=True, capture_output=True)
-    srv = make_server(tenant_build[0], tiny_embedder, TLSConfig(cert, key))
+    srv = make_server(tenant_build[0], tiny_embedder, TLSConfig(cert, key), state="state-tls")
     try:
         creds = grpc.ssl_channel_credentials(cert.read_bytes())
         with grpc.secure_channel(f"localhost:{srv.port}", creds) as ch:

@@ -13,7 +13,8 @@ Policy, in order:
    latency, clamped to [hedge_min_ms, hedge_max_ms] - send the same request to a second replica.
    The first success wins; the other call is cancelled. Hedges are capped by a budget: every
    request earns `hedge_budget` tokens (default 0.10 = at most ~10% extra requests), a hedge spends
-   one, and the bucket holds at most `hedge_burst` tokens.
+   one, and the bucket holds at most `hedge_burst` tokens. A request that finds the bucket empty
+   looks again after each further delay (other requests refill it).
 4. **Retry**: a replica that fails with UNAVAILABLE (down, refused, reset, overloaded) or serves
    another build is retried at once on the next untried replica, within the request's deadline.
 5. **Fail fast**: INVALID_ARGUMENT, NOT_FOUND and other FAILED_PRECONDITIONs are the request's
@@ -136,11 +137,14 @@ class ReplicaSet:
                                               (i - start) % n))
 
     def _strike(self, i: int, elapsed_ms: float) -> None:
-        """A timeout, or a hedge this replica lost: slow evidence, and ejection when repeated."""
+        """A timeout, or a first attempt a later hedge beat: slow evidence, and ejection when
+        repeated - unless that would leave no other replica in rotation."""
         h = self.health[i]
         h.ewma_ms = 0.7 * h.ewma_ms + 0.3 * elapsed_ms
         h.strikes += 1
-        if h.strikes >= self.policy.eject_after:
+        now = time.monotonic()
+        others = [j for j in range(len(self.replicas)) if j != i and self.health[j].in_rotation(now)]
+        if h.strikes >= self.policy.eject_after and others:
             ms = min(self.policy.eject_ms * 2 ** h.ejections, self.policy.eject_max_ms)
             h.ejected_until = time.monotonic() + ms / 1e3
             h.ejections += 1
@@ -237,13 +241,13 @@ class ReplicaSet:
                 done, _ = await asyncio.wait(running, timeout=wait_for,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
+                    # with the budget spent, look again after another delay: other requests
+                    # refill it, and a call stuck on a stalled replica must not wait out its deadline
                     if can_hedge and self._tokens >= 1.0:
                         self._tokens -= 1.0
                         hedged_index = launch()
                         self.stats["hedges"] += 1
                         metrics.HEDGES_SENT.labels(str(self.shard_no)).inc()
-                    elif can_hedge:
-                        hedged_index = -1  # budget spent: no hedge for this request
                     continue
                 for task in done:
                     i, _ = running.pop(task)
@@ -259,8 +263,9 @@ class ReplicaSet:
                             if i == hedged_index:
                                 self.stats["hedges_won"] += 1
                                 metrics.HEDGES_WON.labels(str(self.shard_no)).inc()
-                            for loser, (j, t0) in running.items():  # lost the race: slow evidence
-                                self._strike(j, (time.perf_counter() - t0) * 1e3)
+                                for j, t0 in running.values():  # the first attempt a later hedge
+                                    if j != hedged_index:       # beat: slow evidence against it
+                                        self._strike(j, (time.perf_counter() - t0) * 1e3)
                             return result
                     retry = isinstance(exc, RETRYABLE) or (isinstance(exc, FailedPrecondition)
                                                            and self._check_build(i, exc))

@@ -320,10 +320,14 @@ class ShardIndex:
                 rows = allowed.rows.tolist() if ranged and allowed is not None else None
                 equal = [(f.key, f.any_of) for f in filters if f.any_of]
 
+                row_ids = self.dense.row_ids
+
                 def bm25(i):
                     q = queries[i]
                     s, r = self.lexical.search(q.text, q.lexical_depth, q.tenant, equal, scopes, rows)
-                    return list(zip(r, s))
+                    # equal scores in chunk-id order, not in the order of segments (which differ
+                    # between replicas that applied the same writes in other groups)
+                    return sorted(zip(r, s), key=lambda h: (-h[1], int(row_ids[h[0]])))
 
                 for i, hits in zip(with_text, lexical_map(bm25, with_text)):
                     lexical[i] = hits
