@@ -9,6 +9,7 @@
           front of shard servers listed in a topology file or with --replicas; with --nats it
           accepts writes and appends them to the replicated write log
   config  print the effective configuration (defaults < --config FILE < environment < flags)
+  health  exit 0 when a server answers SERVING (container health checks)
 
 Every option is a field of the typed configuration in server/config.py.
 """
@@ -33,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the effective configuration as TOML")
     c.add_argument("--print", action="store_true", help="print it (the default)")
     add_flags(c, "config")
+    h = sub.add_parser("health", help="exit 0 when a server answers SERVING (container probes)")
+    h.add_argument("--address", default="127.0.0.1:50051")
+    h.add_argument("--service", default="", help="a service name, or empty for the server")
+    h.add_argument("--timeout", type=float, default=3.0)
     # the front-end worker of `serve --workers N` (started by serve itself, not by users)
     f = sub.add_parser("frontend", help=argparse.SUPPRESS)
     f.add_argument("--engine-socket", required=True)
@@ -47,10 +52,29 @@ class _QuietFaissLoader(logging.Filter):
         return not (record.name.startswith("faiss") and record.levelno <= logging.INFO)
 
 
+def health(address: str, service: str, timeout: float) -> int:
+    """The gRPC health check, for HEALTHCHECK lines and probes: 0 if SERVING, 1 otherwise."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                        timeout=timeout)
+    except grpc.RpcError as err:
+        print(f"{address}: {err.code().name}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{address}: {status}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def main(argv=None) -> None:
     from server.config import load_config
 
     args = build_parser().parse_args(argv)
+    if args.command == "health":
+        raise SystemExit(health(args.address, args.service, args.timeout))
     command = args.command if args.command != "frontend" else "serve"
     try:
         cfg = load_config(command if command != "config" else "config", args)

@@ -8,7 +8,6 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Optional
 
 from server.backends.device import Device
 from server.config import ServerConfig

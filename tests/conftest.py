@@ -2,9 +2,6 @@
 and a real gRPC server on a loopback socket."""
 from __future__ import annotations
 
-import json
-import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -12,46 +9,23 @@ import pytest
 
 from server.transport.embedded import ServerThread  # noqa: F401  (re-exported to the tests)
 
-REPO = Path(__file__).resolve().parent.parent
-CRANFIELD = REPO.parent / "shared" / "datasets" / "cranfield"
-
-
-def _tokenizer_files(dst: Path) -> None:
-    from server.backends.models import packaged_minilm_dir
-
-    src = packaged_minilm_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy2(src / name, dst / name)
+from harness.data import CRANFIELD  # noqa: F401  (../shared/datasets/cranfield)
+from harness.processes import REPO, ServiceProcess, ShardProcess  # noqa: F401
 
 
 @pytest.fixture(scope="session")
 def tiny_embedder_dir(tmp_path_factory) -> Path:
     """A randomly initialised 1-layer BERT with MiniLM's tokenizer: real code path, no real weights."""
-    import torch
-    from transformers import BertConfig, BertModel
+    from harness.models import tiny_embedder_dir as make
 
-    d = tmp_path_factory.mktemp("tiny-embedder")
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=128)
-    BertModel(cfg).save_pretrained(d)
-    _tokenizer_files(d)
-    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128}))
-    return d
+    return make(tmp_path_factory.mktemp("tiny-embedder"))
 
 
 @pytest.fixture(scope="session")
 def tiny_reranker_dir(tmp_path_factory) -> Path:
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
+    from harness.models import tiny_reranker_dir as make
 
-    d = tmp_path_factory.mktemp("tiny-reranker")
-    torch.manual_seed(1)
-    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=256, num_labels=1)
-    BertForSequenceClassification(cfg).save_pretrained(d)
-    _tokenizer_files(d)
-    return d
+    return make(tmp_path_factory.mktemp("tiny-reranker"))
 
 
 @pytest.fixture(scope="session")
@@ -114,18 +88,14 @@ def start_core_server(data_dir, embedder=None, reranker=None, auth=None, tls=Non
     return ServerThread(core, auth or AnonymousAuth("default"), tls=tls).start()
 
 
-_CHILDREN: list = []
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _no_leftover_processes():
     """Every server process a test started is gone when the session ends, even when a fixture
     failed half-way through its setup."""
+    from harness.processes import stop_all
+
     yield
-    for proc in _CHILDREN:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    stop_all()
 
 
 def live_row(shard, chunk_id):
@@ -137,59 +107,6 @@ def live_row(shard, chunk_id):
 def shards_of(srv, name):
     """The local shards a running embedded server serves for a collection."""
     return srv.core.registry.get(name).shards
-
-
-class ServiceProcess:
-    """A real `search-server` process on an ephemeral loopback port: started with `args`, ready
-    once it prints its "listening on" line (every wait bounded by the child's own exit)."""
-
-    def __init__(self, args, what="server", prefix=()):
-        import re
-        import subprocess
-        import sys
-
-        self.args = list(args)
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "server.main", *self.args],
-                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        _CHILDREN.append(self.proc)
-        self.lines = []
-        for line in self.proc.stdout:  # the server prints its port once it is serving
-            self.lines.append(line)
-            m = re.search(r"listening on [0-9.]+:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                break
-        else:
-            raise RuntimeError(f"{what} exited before serving:\n" + "".join(self.lines))
-        # keep draining its output so a chatty child never blocks on a full pipe
-        self.drain = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self.drain.start()
-
-    @property
-    def address(self):
-        return f"127.0.0.1:{self.port}"
-
-    def kill(self):
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except Exception:
-                self.kill()
-
-
-class ShardProcess(ServiceProcess):
-    """A real shard server process (`search-server shard`) on an ephemeral loopback port."""
-
-    def __init__(self, data_dir, collection, shard, *flags):
-        super().__init__(["shard", "--data-dir", str(data_dir), "--collection", collection,
-                          "--shard", str(shard), "--port", "0", "--device", "cpu",
-                          "--log-level", "WARNING", *flags], "shard server")
 
 
 def start_router(embedder, collection, replicas, policy=None, token=None, write_log=None,

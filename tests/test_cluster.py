@@ -153,32 +153,35 @@ def test_a_hung_replica_is_hedged_around_within_the_deadline(faulty_pair, tiny_e
                           HedgePolicy(hedge_min_ms=20, hedge_max_ms=50, hedge_budget=1.0))
     try:
         stub = stub_for(router.address)
-        latencies = []
-        for q in QUERIES * 3:
-            t0 = time.perf_counter()
-            resp = stub.Search(pb.SearchRequest(collection="cran1", text=q, top_k=5), timeout=3)
-            latencies.append(time.perf_counter() - t0)
+        for q in QUERIES * 3:  # the deadline is the check: waiting for the hung replica misses it
+            resp = stub.Search(pb.SearchRequest(collection="cran1", text=q, top_k=5), timeout=1.5)
             assert len(resp.hits) == 5
         replica_set = router.core.registry.get("cran1").shards[0]
         assert replica_set.stats["hedges"] >= 1
         assert replica_set.stats["hedges_won"] >= 1
-        assert max(latencies) < 2.0  # hedged after <= 50 ms, never waited for the hung replica
     finally:
         router.stop()
 
 
-def test_an_expired_deadline_returns_deadline_exceeded_promptly(faulty_pair, tiny_embedder):
+def test_an_expired_deadline_is_enforced_by_the_router_itself(faulty_pair, tiny_embedder):
+    """The router gives up at the caller's deadline and answers DEADLINE_EXCEEDED itself (counted
+    server-side), rather than leaving the caller's own timer to cut a call still waiting on shards."""
+    from server.core import metrics
+
     slow_a, slow_b = faulty_pair("--inject-delay-prob", "1.0", "--inject-delay-ms", "3000",
                                  flags_b=("--inject-delay-prob", "1.0", "--inject-delay-ms", "3000"))
     router = start_router(tiny_embedder, "cran1", [[slow_a.address, slow_b.address]])
+    counted = metrics.REQUESTS.labels("Search", "DEADLINE_EXCEEDED")
     try:
         stub = stub_for(router.address)
-        t0 = time.perf_counter()
+        before = counted._value.get()
         with pytest.raises(grpc.RpcError) as err:
             stub.Search(pb.SearchRequest(collection="cran1", text="slip flow", top_k=5), timeout=0.4)
-        elapsed = time.perf_counter() - t0
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert elapsed < 1.5
+        deadline = time.monotonic() + 10  # the server's answer may trail the client's timer
+        while counted._value.get() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert counted._value.get() == before + 1
     finally:
         router.stop()
 

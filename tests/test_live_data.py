@@ -13,7 +13,7 @@ import pytest
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import _CHILDREN, REPO, live_row, publish_build, shards_of, start_core_server
+from conftest import REPO, ServiceProcess, live_row, publish_build, shards_of, start_core_server
 
 APPLIED, NOOP = pb.WriteResponse.APPLIED, pb.WriteResponse.NOOP_STALE_VERSION
 
@@ -210,28 +210,18 @@ def test_a_second_engine_on_the_same_state_is_refused_naming_it(live_build, live
 
 # --- kill -9 during replaces ------------------------------------------------------------------
 
-class ServerProcess:
+class ServerProcess(ServiceProcess):
+    """`search-server serve` with the tiny embedder, optionally set to SIGKILL itself at a crash
+    point of the write protocol."""
+
     def __init__(self, data, embedder_dir, crash_point=None, *flags):
         env = dict(os.environ)
         env.pop("SEARCH_TEST_CRASH_POINT", None)
         if crash_point:
             env["SEARCH_TEST_CRASH_POINT"] = crash_point
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.main", "serve", "--data-dir", str(data), "--port", "0",
-             "--device", "cpu", "--embedder", str(embedder_dir), "--embedder-name",
-             "tiny-test-embedder", "--log-level", "WARNING", *flags],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        _CHILDREN.append(self.proc)
-        lines = []
-        for line in self.proc.stdout:
-            lines.append(line)
-            m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                break
-        else:
-            raise RuntimeError("server exited before serving:\n" + "".join(lines))
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+        super().__init__(["serve", "--data-dir", str(data), "--port", "0", "--device", "cpu",
+                          "--embedder", str(embedder_dir), "--embedder-name", "tiny-test-embedder",
+                          "--log-level", "WARNING", *flags], "server", env=env)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.SearchServiceStub(self.channel)
 

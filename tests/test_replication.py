@@ -5,7 +5,6 @@ only the router's credential and enforces the API's limits itself."""
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 from server.rpc import search_pb2 as pb
@@ -117,13 +116,11 @@ def test_replicas_that_applied_the_same_log_hold_the_same_rows_and_answer_the_sa
     assert set(by_shard) == {0, 1} and all(len(rs) == 2 for rs in by_shard.values())
     assert all(rs[0].applied_sequence > 0 for rs in by_shard.values())
     md = (("authorization", f"Bearer {TOKEN}"),)
-    rng = np.random.default_rng(3)
     build = replica_states(cluster["admin"], digest=False)[0].build_id
     for reps in cluster["shards"]:
         queries = [spb.ShardQuery(build_id=build, tenant="default", text=t, dense_depth=10,
                                   lexical_depth=10, model_id="", vector=b"")
                    for t in ("zyxlog1 replicated", "flow over a plate", "zyxretry")]
-        vec = rng.standard_normal(32).astype("<f4")
         answers = []
         for p in reps:
             with grpc.insecure_channel(p.address) as ch:

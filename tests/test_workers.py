@@ -3,10 +3,7 @@ process: every front end answers, answers equal the single-process server's, and
 through one front end is seen through all of them (one engine owns the index)."""
 import re
 import signal
-import socket
 import subprocess
-import sys
-import threading
 import urllib.request
 
 import grpc
@@ -15,38 +12,22 @@ import pytest
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import _CHILDREN, REPO, start_core_server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import ServiceProcess, start_core_server
+from harness.processes import free_port
 
 
 @pytest.fixture(scope="module")
 def workers(small_collection, tiny_embedder_dir):
     data, _ = small_collection
     port, metrics = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server.main", "serve", "--data-dir", str(data), "--port", str(port),
-         "--workers", "2", "--metrics-port", str(metrics), "--device", "cpu", "--embedder",
-         str(tiny_embedder_dir), "--embedder-name", "tiny-test-embedder", "--log-level", "WARNING",
-         "--state-dir", str(data / ".state-workers")],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _CHILDREN.append(proc)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if re.search(r"listening on 127\.0\.0\.1:\d+ \(2 front-end processes", line):
-            break
-    else:
-        raise RuntimeError("serve --workers exited before serving:\n" + "".join(lines))
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    yield proc, port, metrics
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+    server = ServiceProcess(
+        ["serve", "--data-dir", str(data), "--port", str(port), "--workers", "2", "--metrics-port",
+         str(metrics), "--device", "cpu", "--embedder", str(tiny_embedder_dir), "--embedder-name",
+         "tiny-test-embedder", "--log-level", "WARNING", "--state-dir", str(data / ".state-workers")],
+        "serve --workers 2")
+    assert "2 front-end processes" in server.lines[-1]
+    yield server.proc, port, metrics
+    server.stop(60)
 
 
 def searches_answered(metrics_port: int) -> float:

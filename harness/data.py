@@ -1,0 +1,63 @@
+"""Data for tests, benchmarks and load tests: the development datasets next to this repository,
+query files, and synthetic clustered vectors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+DATASETS = REPO.parent / "shared" / "datasets"   # ../shared/datasets, beside the checkout
+CRANFIELD = DATASETS / "cranfield"
+CACM = DATASETS / "cacm"
+
+
+def read_queries(path: Path) -> list[str]:
+    """Query texts from a BEIR queries.jsonl ({_id, text}) or a plain text file (one per line)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "queries.jsonl"
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            out.append(json.loads(line)["text"] if path.suffix == ".jsonl" else line)
+    return [q for q in out if q.strip()]
+
+
+def clustered(n: int, dim: int, seed: int = 0, clusters: int = 200, latent: int = 24,
+              spread: float = 1.0, noise: float = 0.3, n_queries: int = 0):
+    """Clustered, low-intrinsic-dimension unit vectors (isotropic Gaussian data makes every ANN
+    index look perfect). Returns the base vectors, or (base, queries) when n_queries > 0."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((clusters, latent)).astype(np.float32)
+    proj = (rng.standard_normal((latent, dim)) / np.sqrt(latent)).astype(np.float32)
+
+    def draw(m: int) -> np.ndarray:
+        out = np.empty((m, dim), np.float32)
+        for s in range(0, m, 50_000):
+            e = min(m, s + 50_000)
+            z = centres[rng.integers(0, clusters, e - s)] + spread * rng.standard_normal(
+                (e - s, latent)).astype(np.float32)
+            x = z @ proj + noise * rng.standard_normal((e - s, dim)).astype(np.float32)
+            out[s:e] = x / np.linalg.norm(x, axis=1, keepdims=True)
+        return out
+
+    base = draw(n)
+    return (base, draw(n_queries)) if n_queries else base
+
+
+def demo_corpus(path: Path, limit: Optional[int] = None) -> Path:
+    """The demo corpus (docstrings of the Python standard library) written to `path`."""
+    from index_builder.corpus import stdlib_docs
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for doc in stdlib_docs(limit):
+            f.write(json.dumps({"id": doc.doc_id, "title": doc.title, "text": doc.text,
+                                "metadata": doc.metadata}) + "\n")
+    return path
