@@ -224,7 +224,8 @@ COMMAND_SECTIONS = {
                "router", "replication"),
 }
 COMMAND_DEFAULTS = {"shard": {"listen": {"port": 50061}}}
-SERVE_ONLY = {("listen", "workers"), ("storage", "collection")}
+SERVE_ONLY = {("listen", "workers"), ("storage", "collection"), ("storage", "compact_interval_s"),
+              ("storage", "compact_min_tombstone_ratio")}
 
 
 def _section_types() -> dict[str, type]:
@@ -314,7 +315,8 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
                                    default=argparse.SUPPRESS, help=help_text)
             elif base is list:
                 group.add_argument(_flag(sec, f, command), dest=dest, action="append",
-                                   default=argparse.SUPPRESS, help=help_text)
+                                   default=argparse.SUPPRESS, help=help_text,
+                                   metavar=f.name.upper())
             else:
                 group.add_argument(_flag(sec, f, command), dest=dest, type=str, default=argparse.SUPPRESS,
                                    help=help_text, metavar=f.name.upper())

@@ -1,0 +1,80 @@
+"""One typed configuration (server/config.py): defaults written once, flags generated from them,
+a TOML file and the environment under the flags, `search-server config --print`, clear errors
+for bad values; and the committed gRPC modules match proto/."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from server.config import ServerConfig, add_flags, default_config, load_config
+
+
+def parse(command, argv, environ=None, config_file=None):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_flags(p, command)
+    return load_config(command, p.parse_args(argv), environ or {}, config_file)
+
+
+def test_defaults_are_the_dataclasses_and_commands_differ_only_where_declared():
+    assert parse("serve", []) == ServerConfig()
+    shard = parse("shard", [])
+    assert shard.listen.port == 50061 and shard.engine == ServerConfig().engine
+
+
+def test_flags_beat_environment_which_beats_the_file_which_beats_defaults(tmp_path):
+    cfg_file = tmp_path / "search.toml"
+    cfg_file.write_text('[engine]\nmax_batch = 8\ndispatch_timeout_ms = 3.5\n'
+                        '[storage]\ndata_dir = "/from/file"\n[listen]\nport = 7000\n')
+    env = {"SEARCH_MAX_BATCH": "16", "SEARCH_DATA_DIR": "/from/env"}
+    cfg = parse("serve", ["--config", str(cfg_file), "--max-batch", "32", "--no-batching"], env)
+    assert cfg.engine.max_batch == 32              # flag
+    assert str(cfg.storage.data_dir) == "/from/env"  # environment over file
+    assert cfg.engine.dispatch_timeout_ms == 3.5     # file over default
+    assert cfg.listen.port == 7000 and cfg.engine.batching is False
+
+
+@pytest.mark.parametrize("text,error", [('[engine]\nmax_batch = "many"\n', "max_batch"),
+                                        ('[nosuch]\nx = 1\n', "unknown section"),
+                                        ('[engine]\nbatch_size = 3\n', "unknown key")])
+def test_a_bad_file_names_the_key(tmp_path, text, error):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=error):
+        parse("serve", ["--config", str(f)])
+
+
+def test_a_bad_environment_value_names_the_variable():
+    with pytest.raises(ValueError, match="SEARCH_MAX_BATCH"):
+        parse("serve", [], {"SEARCH_MAX_BATCH": "lots"})
+
+
+def test_config_print_shows_the_effective_configuration_and_it_round_trips(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "server.main", "config", "--print", "--max-batch", "24",
+                          "--nats", "nats://a:4222", "--nats", "nats://b:4222"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={"SEARCH_DENSE_FEEDBACK_DOCS": "3", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert "max_batch = 24" in out.stdout and "dense_feedback_docs = 3" in out.stdout
+    saved = tmp_path / "effective.toml"
+    saved.write_text(out.stdout)
+    again = load_config("config", None, {}, saved)
+    assert again.engine.max_batch == 24 and again.replication.nats == ["nats://a:4222", "nats://b:4222"]
+    assert again.pipeline.dense_feedback_docs == 3
+
+
+def test_the_cli_and_the_tests_build_the_same_defaults():
+    """Regression (issue 12): SearchConfig.embed_max_batch was 64 while the CLI used 16 on CPU, so
+    tests never ran what production ran; now one tree holds each default once."""
+    from conftest import server_config
+
+    assert server_config(REPO).models == default_config("serve").models
+    assert default_config("serve").models.max_batch(cuda=False) == 16
+
+
+def test_the_committed_grpc_modules_match_the_proto_files():
+    from server.rpc.codegen import check
+
+    assert check() == []
