@@ -145,3 +145,56 @@ def closed_loop(call: Callable[[int], object], threads: int, seconds: float,
     xs = [x for lst in lat for x in lst]
     return {"qps": len(xs) / seconds, "n": len(xs), "errors": sum(errors), "p50_ms": pct(xs, 50),
             "p99_ms": pct(xs, 99), "p999_ms": pct(xs, 99.9), "max_ms": max(xs) if xs else float("nan")}
+
+
+def _tree(root: int) -> set[int]:
+    """`root` and its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo.extend(children.get(p, []))
+    return out
+
+
+def _cpu_of(pids: set[int]) -> float:
+    hz = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / hz
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+class OtherCpu:
+    """with OtherCpu() as m: ...; m.cores -> cores used by processes OUTSIDE this process and its
+    descendants (the servers a benchmark started) during the block."""
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        self.busy0 = _busy_jiffies()
+        self.tree0 = _cpu_of(_tree(os.getpid()))
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self.t0
+        busy1 = _busy_jiffies()
+        tree = _cpu_of(_tree(os.getpid())) - self.tree0
+        hz = os.sysconf("SC_CLK_TCK")
+        self.cores = (None if busy1 is None or self.busy0 is None or wall <= 0
+                      else max(0.0, ((busy1 - self.busy0) / hz - tree) / wall))
+        return False

@@ -197,6 +197,11 @@ def test_concurrent_writes_share_group_commits(engine_build, tiny_embedder):
         outcomes = asyncio.run(go())
         assert [o[0].outcome for o in outcomes] == ["applied"] * 12
         assert shard.writes.groups < 12          # fewer commits than writes
+        info, stored = shard.index.info(), shard.index.store.counts()
+        assert (info.documents, info.chunks) == (stored["documents"], stored["chunks"])
+        alpha = shard.index.info("alpha")
+        assert (alpha.documents, alpha.chunks) == (shard.index.store.counts("alpha")["documents"],
+                                                   shard.index.store.counts("alpha")["chunks"])
         hits = shard.index.search_group([query(desc, "alpha", tiny_embedder.encode(
             ["zyxgroup3 a streamed document about wing flutter"])[0])])[0]
         assert any(c.record.doc_id == "g-3" for c in hits.dense if c.record.text is not None)

@@ -244,6 +244,15 @@ class DocStore:
                 out[(tenant, doc_id)] = row
         return out
 
+    def live_rows_of(self, keys: Sequence[tuple[str, str]]) -> list[int]:
+        """The live rows of these documents (the rows a replace of them will retire)."""
+        conn = self._conn()
+        out: list[int] = []
+        for tenant, doc_id in keys:
+            out.extend(r[0] for r in conn.execute(
+                "SELECT row FROM chunks WHERE tenant=? AND doc_id=? AND live=1", (tenant, doc_id)))
+        return out
+
     def document(self, tenant: str, doc_id: str) -> Optional[tuple[int, int]]:
         return self.documents_of([(tenant, doc_id)]).get((tenant, doc_id))
 
@@ -264,17 +273,18 @@ class DocStore:
              for r, ver, v in zip(records, versions, vectors)]))
 
     def flip(self, entries: Sequence[FlipEntry], applied_seq: Optional[int] = None
-             ) -> list[Optional[list[tuple[int, bool]]]]:
+             ) -> list[Optional[tuple[list[tuple[int, bool]], bool]]]:
         """THE visibility change for a group of writes, one transaction: each document's live rows
         die, its new rows go live, its version moves, the write is logged; index_version moves
         once, and the write-log position applied is recorded with them.
 
-        Returns per entry the rows that died, as (row, tenant_public), or None when the entry's
-        version is not newer than the stored one (it changed nothing)."""
+        Returns per entry (the rows that died as (row, tenant_public), whether the document was
+        live before), or None when the entry's version is not newer than the stored one (it
+        changed nothing)."""
         def run(conn):
             out = []
             for e in entries:
-                cur = conn.execute("SELECT version FROM documents WHERE tenant=? AND doc_id=?",
+                cur = conn.execute("SELECT version, live FROM documents WHERE tenant=? AND doc_id=?",
                                    (e.tenant, e.doc_id)).fetchone()
                 if cur is not None and cur[0] >= e.version:
                     out.append(None)
@@ -301,7 +311,7 @@ class DocStore:
                      json.dumps(e.chunks),
                      None if e.vectors is None else np.ascontiguousarray(e.vectors, np.float32).tobytes(),
                      e.model_id))
-                out.append(dead)
+                out.append((dead, cur is not None and cur[1] == 1))
             if any(d is not None for d in out):
                 conn.execute("INSERT INTO meta(key, value) VALUES ('index_version', '1') "
                              "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
@@ -411,6 +421,11 @@ class DocStore:
                 "ORDER BY chunk_id"):
             h.update(f"{cid}\x00{t}\x00{d}\x00{v}\x00{th}\n".encode())
         return h.hexdigest()
+
+    def documents_per_tenant(self) -> dict[str, int]:
+        """Live documents per tenant."""
+        return dict(self._conn().execute(
+            "SELECT tenant, count(DISTINCT doc_id) FROM chunks WHERE live=1 GROUP BY tenant").fetchall())
 
     def tenants(self) -> dict[str, int]:
         return dict(self._conn().execute(

@@ -81,6 +81,9 @@ class LexicalIndex:
         try:
             index = tantivy.Index.open(str(directory))
             index.register_tokenizer(ANALYZER_NAME, make_analyzer())
+            # searchers move only on reload(): a write commits, then becomes visible together
+            # with the store's visibility flip (see ShardIndex.apply_writes)
+            index.config_reader(reload_policy="Manual")
             index.reload()
             index.searcher().num_docs  # touch the segments: a damaged one fails here, not mid-query
         except Exception as exc:
@@ -142,6 +145,20 @@ class LexicalIndex:
         self.index.reload()
 
     DELETE_BATCH = 4096
+
+    def stage(self, add: Iterable, delete: Sequence[int]) -> None:
+        """Add chunks and delete rows in ONE commit, durable but not yet searched: `publish`
+        makes searchers see it (the shard does that in the same step as its visibility flip)."""
+        w = self.writer()
+        self.add(add, writer=w)
+        for start in range(0, len(delete), self.DELETE_BATCH):
+            block = [int(r) for r in delete[start:start + self.DELETE_BATCH]]
+            w.delete_documents_by_query(tantivy.Query.term_set_query(self.schema, "row", block))
+        w.commit()
+
+    def publish(self) -> None:
+        """Searchers see everything committed so far."""
+        self.index.reload()
 
     def close(self) -> None:
         """Let background merges finish and release the directory lock."""

@@ -99,9 +99,15 @@ class ShardReplicator:
 
         if self.reader is None:
             await self._open()
-        entries = await self.reader.fetch(self.config.apply_batch, timeout)
+        # what the log holds now, as one group; else wait for the next entry and take whatever
+        # came with it (a pull for a full batch would wait out its timeout to fill it)
+        entries = await self.reader.fetch(self.config.apply_batch, 0.005)
         if not entries:
-            return 0
+            entries = await self.reader.fetch(1, timeout)
+            if not entries:
+                return 0
+            if self.config.apply_batch > 1:
+                entries += await self.reader.fetch(self.config.apply_batch - 1, 0.005)
         writes = []
         for e in entries:
             msg = shard_pb2.ShardWrite()

@@ -90,6 +90,7 @@ class ShardIndex:
     def __init__(self, desc: ReleaseDescriptor, build_dir: Path, state_root: Path, shard_no: int,
                  device: Optional[Device] = None):
         self.desc = desc
+        self._desc_json = desc.to_json()  # a build's descriptor never changes
         self.shard_no = shard_no
         name = shard_dir_name(shard_no)
         self.build_dir = Path(build_dir) / name
@@ -156,7 +157,9 @@ class ShardIndex:
                 "lexical_repaired": repaired}
 
     def _load_counts(self) -> None:
+        """Counts kept in memory from here on (moved by every flip): descriptions are O(1)."""
         self.tenant_counts = self.store.tenants()
+        self.doc_counts = self.store.documents_per_tenant()
         self.acl_restricted = self.store.restricted_acl_rows()
         self.states = self.store.row_states()
         self.index_version = self.store.index_version()
@@ -435,6 +438,8 @@ class ShardIndex:
                 rows.append(row)
                 row += 1
             new_rows[id(w)] = rows
+        # the rows these writes retire (the writer mutex is held: the flip will find the same)
+        retiring = self.store.live_rows_of([w.key for w in fresh])
         if records:
             x = np.vstack([w.vectors for w in fresh if id(w) in new_rows]).astype(np.float32)
             self.store.insert_pending(records, versions, x)  # durable, invisible
@@ -446,10 +451,13 @@ class ShardIndex:
                 self.text_hash = np.concatenate([self.text_hash, [r.text_hash for r in records]])
                 self.states["pending"] += len(records)
             crash_point("after_dense")
-            # BM25 add + commit outside the lock: the rows are pending, masked from every search
-            self.lexical.add_committed((r.row, r.title, r.text, r.tenant, r.metadata, r.acl)
-                                       for r in records)
-            crash_point("after_lexical")
+        # ONE BM25 commit for the group - its new chunks in, the retired ones out - that searchers
+        # see only with the flip below. A crash in between leaves the store's old version live;
+        # recovery re-adds it to BM25 and removes the orphans (check_lexical at load).
+        if records or retiring:
+            self.lexical.stage(((r.row, r.title, r.text, r.tenant, r.metadata, r.acl)
+                                for r in records), retiring)
+        crash_point("after_lexical")
         entries = [FlipEntry(w.op, w.tenant, w.doc_id, w.version, new_rows.get(id(w), []), w.body,
                              [(c.index, c.start, c.end, c.text) for c in w.chunks],
                              w.vectors if id(w) in new_rows else None,
@@ -461,10 +469,13 @@ class ShardIndex:
         with self._rw.write():
             deads = self.store.flip(entries, applied_seq)  # THE flip
             dead_rows: list[int] = []
-            for e, dead in zip(entries, deads):
-                if dead is None:
+            for e, flipped in zip(entries, deads):
+                if flipped is None:
                     continue
+                dead, was_live = flipped
                 rows = [r for r, _ in dead]
+                now_live = e.op == "upsert" and bool(e.new_rows)
+                self.doc_counts[e.tenant] = self.doc_counts.get(e.tenant, 0) + now_live - was_live
                 self.live[rows] = False
                 self.live[e.new_rows] = True
                 t = e.tenant
@@ -476,32 +487,40 @@ class ShardIndex:
                 self.states["pending"] -= len(e.new_rows)
                 self.states["dead"] += len(rows)
                 dead_rows.extend(rows)
-            for t in [t for t, c in self.tenant_counts.items() if c <= 0]:
-                del self.tenant_counts[t]
+            for counts in (self.tenant_counts, self.doc_counts):
+                for t in [t for t, c in counts.items() if c <= 0]:
+                    del counts[t]
             if any(d is not None for d in deads):
                 self.index_version += 1
             if applied_seq is not None:
                 self.applied_seq = max(self.applied_seq, applied_seq)
             self.generation += 1
+            self.lexical.publish()  # BM25 moves with the flip: one index version in both branches
             self._publish_counts()
         crash_point("after_flip")
-        self.lexical.delete_rows(dead_rows)
+        unexpected = sorted(set(dead_rows) - set(retiring))
+        if unexpected:  # the flip retired rows the staged commit did not delete (never expected)
+            self.lexical.delete_rows(unexpected)
         self.store.mark_purged(dead_rows)
         self.check_lexical("after a write")
-        applied = {id(w) for w, dead in zip(fresh, deads) if dead is not None}
+        applied = {id(w) for w, flipped in zip(fresh, deads) if flipped is not None}
         return [WriteOutcome("applied", w.version, self.index_version, w.seq) if id(w) in applied
                 else WriteOutcome("noop", stored.get(w.key, (w.version,))[0], self.index_version, w.seq)
                 for w in writes]
 
     # --- description -------------------------------------------------------------------------
     def info(self, tenant: Optional[str] = None, digest: bool = False) -> ShardInfo:
-        counts = self.store.counts(tenant)
+        """From the in-memory counts (cheap enough to poll); the digest reads every live row."""
+        if tenant is None:
+            docs, chunks, vectors = sum(self.doc_counts.values()), sum(self.tenant_counts.values()), self.nrows
+        else:
+            docs, chunks = self.doc_counts.get(tenant, 0), self.tenant_counts.get(tenant, 0)
+            vectors = chunks
         total = max(1, sum(self.states.values()))
         return ShardInfo(
             self.shard_no, self.desc.collection, self.desc.build_id, self.desc.corpus_version,
-            self.desc.model_id, self.index_version, self.applied_seq, counts["documents"],
-            counts["chunks"], counts["chunks"] if tenant is not None else self.nrows,
-            self.desc.to_json(), self.store.live_digest() if digest else "", "serving",
+            self.desc.model_id, self.index_version, self.applied_seq, docs, chunks, vectors,
+            self._desc_json, self.store.live_digest() if digest else "", "serving",
             (self.states["dead"] + self.states["orphan"]) / total)
 
     def close(self) -> None:
