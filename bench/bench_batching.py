@@ -63,7 +63,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from bench._util import CpuMonitor, pct, wait_quiet  # noqa: E402
+from harness.measure import CpuMonitor, pct, wait_quiet  # noqa: E402
 
 DEFAULT_DATASET = REPO.parent / "shared" / "datasets" / "cranfield"
 

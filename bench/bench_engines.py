@@ -17,17 +17,18 @@ What it does
      this process. During each window it records the CPU used by processes OUTSIDE this benchmark's
      process tree (from /proc/stat), and how the benchmark's own CPU split (server / clients /
      this process).
-4. Prints the sweeps, a markdown table, the build table, package versions; --json saves all of it.
+4. Prints the sweeps, a markdown table, the build table, package versions; --json saves all of it,
+   --plots DIR draws latency_by_concurrency.png and recall_vs_qps.png (harness/plots.py).
 
 Run
 ---
     .venv/bin/python bench/bench_engines.py --vectors /path/to/vectors.npy
     .venv/bin/python bench/bench_engines.py --vectors V.npy --engines hnswlib,faiss-hnsw --seconds 5
-    .venv/bin/python bench/bench_engines.py --vectors V.npy --json bench/results/engines.json
+    .venv/bin/python bench/bench_engines.py --vectors V.npy --json bench/results/engines.json \
+        --plots docs/img
 
-Adding our service: write an Engine subclass with kind="service" whose client_spec() names a
-factory that returns an object with search(q, k) -> ids (e.g. a gRPC stub wrapper), and add it to
-engines.ENGINES; nothing here changes.
+Another engine: an Engine subclass in bench/engines.py (kind "in-process", or "service" with a
+client_spec() naming a factory whose object has search(q, k) -> ids), added to engines.ENGINES.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import engines as E  # noqa: E402
 
 
@@ -90,6 +92,8 @@ def main(argv=None) -> int:
                          "--quiet-threshold cores (0: don't wait); the other-CPU column is recorded anyway")
     ap.add_argument("--quiet-threshold", type=float, default=0.3)
     ap.add_argument("--json", default="", help="write all results here")
+    ap.add_argument("--plots", default="", help="write PNG plots here (latency by concurrency, "
+                                                 "recall vs QPS; needs matplotlib)")
     args = ap.parse_args(argv)
     # a SIGTERM unwinds like Ctrl-C, so the adapters' finally/atexit stop the servers they started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -230,6 +234,11 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
         log(f"wrote {args.json}")
+    if args.plots:
+        from harness.plots import latency_by_concurrency, recall_vs_qps
+
+        for png in latency_by_concurrency(report, args.plots) + recall_vs_qps(report, args.plots):
+            log(f"wrote {png}")
     return 0 if all("error" not in r for r in report["engines"].values()) else 1
 
 

@@ -75,7 +75,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from bench._util import CpuMonitor  # noqa: E402
+from harness.measure import CpuMonitor  # noqa: E402
 from loadtest.cluster import (DATA_DIR, Cluster, closed_loop, counters_delta,  # noqa: E402
                               ensure_collections, load_queries, router_counters, search_requests,
                               warm_up)

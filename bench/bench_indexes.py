@@ -53,7 +53,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import ForeignLoad, synthetic  # noqa: E402
+from harness.data import synthetic  # noqa: E402
+from harness.measure import ForeignLoad  # noqa: E402
 
 import faiss  # noqa: E402
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import tantivy  # noqa: E402
 
-from bench._util import pct  # noqa: E402
+from harness.measure import pct  # noqa: E402
 
 DEFAULT_DATASET = REPO.parent / "shared" / "datasets" / "cranfield"
 REFERENCE = {"ndcg@10": 0.352, "recall@100": 0.709, "mrr@10": 0.508}

@@ -11,7 +11,7 @@ What it measures
      weights, because no pretrained cross-encoder can be installed here. Its timings are real (same
      shapes, same FLOPs as a MiniLM-L6 cross-encoder such as ms-marco-MiniLM-L-6-v2); the ranking
      it produces is meaningless.
-  3. The real gRPC server started in-process (tests/conftest.py `start_core_server`: SearchCore +
+  3. The real gRPC server started in-process (server/transport/embedded.py `start_core_server`: SearchCore +
      grpc.aio server on 127.0.0.1 in its own event-loop thread, CPU device), and the 225 Cranfield
      queries sent one at a time (mode HYBRID, top_k 10, rerank_depth 20, include_trace False) by a
      synchronous gRPC client in the main thread.
@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from bench._util import CpuMonitor, pct, wait_quiet  # noqa: E402
+from harness.measure import CpuMonitor, pct, wait_quiet  # noqa: E402
 
 DEFAULT_DATASET = REPO.parent / "shared" / "datasets" / "cranfield"
 DEFAULT_RESULTS = REPO / "bench" / "results" / "stages"
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     from server.backends.models import CrossEncoder, Embedder
     from server.rpc import search_pb2 as pb
     from server.rpc import search_pb2_grpc as pb_grpc
-    from tests.conftest import start_core_server
+    from server.transport.embedded import start_core_server
 
     torch.set_num_threads(args.threads)
     print(f"torch.set_num_threads({args.threads}) -> torch.get_num_threads() = "
@@ -223,18 +223,12 @@ def main(argv=None) -> int:
           f"rerank_depth {args.rerank_depth}, include_trace False, sequential; batcher max_wait_ms "
           f"{args.batch_max_wait_ms}")
 
-    server_config = dict(embed_max_wait_ms=args.batch_max_wait_ms,
-                         rerank_max_wait_ms=args.batch_max_wait_ms)
-    from dataclasses import fields
-
-    from server.core.search import SearchConfig
-
-    if "retrieval_cache_size" in {f.name for f in fields(SearchConfig)}:
-        # the whole-result cache would answer the second pass without running any stage; it is off
-        # unless asked for, so the second pass measures the query-embedding cache alone
-        server_config["retrieval_cache_size"] = args.retrieval_cache_size
-        print(f"server retrieval (whole-result) cache size: {args.retrieval_cache_size}"
-              + (" (off)" if not args.retrieval_cache_size else ""))
+    # the whole-result cache would answer the second pass without running any stage; it is off
+    # unless asked for, so the second pass measures the query-embedding cache alone
+    server_config = dict(models={"batch_max_wait_ms": args.batch_max_wait_ms},
+                         pipeline={"retrieval_cache_size": args.retrieval_cache_size})
+    print(f"server retrieval (whole-result) cache size: {args.retrieval_cache_size}"
+          + (" (off)" if not args.retrieval_cache_size else ""))
     try:
         srv = start_core_server(data_dir, embedder, reranker, **server_config)
     except Exception as exc:

@@ -4,29 +4,31 @@ What it measures
 ----------------
 One shard of N synthetic chunks (default 100k x 384) is built with the real builder
 (index_builder.build.build_collection: dense index, vectors.npy, SQLite chunk store, BM25 index) for
-each faiss factory, and loaded as a real LocalShard. Tenants own fixed shares of the shard:
+each faiss factory, and loaded as a real ShardIndex (server/core/engine/index.py, what the shard
+engine searches). Tenants own fixed shares of the shard:
 
     t50 = 50%, t5 = 5%, t05 = 0.5%, t001 = 0.01% (10 chunks of 100k), rest = the remainder
 
 assigned at random rows (a tenant's chunks are spread over every cluster, as with unrelated
-customers sharing a shard). For each tenant, held-out queries go through LocalShard.search_sync
-(ShardQuery with a vector, that tenant, dense_depth 10, empty text: the dense branch only), and
+customers sharing a shard). For each tenant, held-out queries go through ShardIndex.search_group
+one at a time (ShardQuery with a vector, that tenant, dense_depth 10, empty text: the dense
+branch only), and
 
-* latency p50/p99 (ms) of the whole search_sync call, and of its dense part (ShardResult.dense_ms);
+* latency p50/p99 (ms) of the whole search_group call, and of its dense part (ShardResult.dense_ms);
 * recall@10 against EXACT restricted search (brute force over that tenant's vectors only);
-* which path served it: LocalShard searches exactly (brute force over the allowed rows) when the
+* which path served it: ShardIndex searches exactly (brute force over the allowed rows) when the
   tenant's allowed set has <= max(EXACT_MIN_ROWS, EXACT_MAX_FRACTION x rows) rows, capped at
   EXACT_MAX_ROWS (2,000 / 1% / 20,000 by default), otherwise the ANN index with a faiss
   IDSelectorBitmap, redoing it exactly when the ANN page comes back short. The path is observed,
-  not inferred: the bench wraps the shard's ANN call and the module's exact_search;
+  not inferred: the bench wraps the shard's ANN call and the engine module's exact_search;
 * the same with EXACT_MAX_ROWS = 0 set on the shard instance, so every tenant goes through the ANN
   index with the selector; "raw ANN" columns then show what the selector search alone returned
   (recall and page fill BEFORE the short-page exact fallback), i.e. pure ANN-with-selector recall.
 
 "unrestricted" is the same shard searched with no restriction (allowed=None: what a single-tenant
-shard does): LocalShard._dense_search(vector, 10, tenant, None) plus the chunk-store fetch that
-search_sync does; its recall is against exact search over all rows. A multi-tenant shard cannot
-serve an unrestricted search through search_sync (every request is scoped to the caller's tenant).
+shard does): ShardIndex.dense_search(vector, 10, tenant, None) plus the chunk-store fetch that
+search_group does; its recall is against exact search over all rows. A multi-tenant shard cannot
+serve an unrestricted search through search_group (every request is scoped to the caller's tenant).
 
 Data: clustered, low-intrinsic-dimension unit vectors (200 centres in a 24-d latent space, random
 linear map to 384-d, small isotropic noise), as in bench_indexes.py; queries are drawn from the
@@ -61,7 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import faiss  # noqa: E402
 
-from _util import CpuMonitor, pct, synthetic  # noqa: E402
+from harness.data import synthetic  # noqa: E402
+from harness.measure import CpuMonitor, pct  # noqa: E402
 
 K = 10
 FACTORIES = ["Flat", "HNSW32,Flat", "IVF256,PQ48x4fs,RFlat"]
@@ -107,10 +110,10 @@ class PathProbe:
     """Counts, per search, ANN calls (and their page fill) and exact brute-force calls."""
 
     def __init__(self, shard):
-        import server.core.shards as shards_mod
+        import server.core.engine.index as index_mod
 
-        self.mod = shards_mod
-        self.orig_exact = shards_mod.exact_search
+        self.mod = index_mod
+        self.orig_exact = index_mod.exact_search
         self.dense = shard.dense
         self.orig_ann = shard.dense.search
         self.reset()
@@ -123,7 +126,7 @@ class PathProbe:
             self.ann_calls += 1
             return self.orig_ann(*a, **kw)
 
-        shards_mod.exact_search = exact
+        index_mod.exact_search = exact
         shard.dense.search = ann  # instance attribute: shadows the method on this index only
 
     def reset(self):
@@ -168,17 +171,17 @@ def measure_tenant(shard, probe, tenant: str, queries: np.ndarray, truth: list[s
 
     # first query builds and caches the tenant's row mask (one SQLite scan of the shard)
     t0 = time.perf_counter()
-    shard.search_sync(q(queries[0]))
+    shard.search_group([q(queries[0])])
     first_ms = (time.perf_counter() - t0) * 1e3
     total, dense_ms, recs, paths, fill = [], [], [], {}, []
     raw_rec, raw_fill = [], []
     from server.backends.docstore import PUBLIC_ACL
 
-    allowed = shard._row_filter(tenant, (), (PUBLIC_ACL,))  # the mask search_sync used (cached)
+    allowed = shard.row_filter(tenant, (), (PUBLIC_ACL,))  # the mask search_group used (cached)
     for v, t in zip(queries, truth):
         probe.reset()
         t0 = time.perf_counter()
-        r = shard.search_sync(q(v))
+        r, = shard.search_group([q(v)])
         total.append((time.perf_counter() - t0) * 1e3)
         dense_ms.append(r.dense_ms)
         rows = [c.record.row for c in r.dense]
@@ -203,7 +206,7 @@ def measure_unrestricted(shard, queries: np.ndarray, truth: list[set]) -> dict:
     total, dense_ms, recs = [], [], []
     for v, t in zip(queries, truth):
         t0 = time.perf_counter()
-        pairs = shard._dense_search(v, K, "unrestricted", None)
+        pairs, = shard.dense_search(v[None, :], K, "unrestricted", None)
         t1 = time.perf_counter()
         shard.store.fetch(sorted(r for r, _ in pairs))
         t2 = time.perf_counter()
@@ -251,7 +254,7 @@ def main(argv=None) -> int:
     from index_builder.corpus import Document
     from server.backends.device import Device
     from server.core.collection import CollectionStore
-    from server.core.shards import LocalShard
+    from server.core.engine.index import ShardIndex
 
     t_all = time.perf_counter()
     mon = CpuMonitor().__enter__()
@@ -280,7 +283,8 @@ def main(argv=None) -> int:
             desc = build_collection(docs, store, "tenants", emb, factory, shards=1, quiet=True)
             build_s = time.perf_counter() - t0
             faiss.omp_set_num_threads(1)
-            shard = LocalShard(desc, store.build_dir("tenants", desc.build_id), 0, Device("cpu"))
+            shard = ShardIndex(desc, store.build_dir("tenants", desc.build_id), root / "state", 0,
+                               Device("cpu"))
             probe = PathProbe(shard)
             try:
                 unres = measure_unrestricted(shard, queries, truth_all)
@@ -295,8 +299,8 @@ def main(argv=None) -> int:
                 faiss.omp_set_num_threads(os.cpu_count() or 1)
             print(f"\n=== {factory}  (build {build_s:.1f}s incl. SQLite + BM25 index; "
                   f"knobs {desc.search_defaults or 'server defaults: nprobe 32, efSearch 128, k_factor 4'})")
-            print(f"-- exact below max({LocalShard.EXACT_MIN_ROWS} rows, "
-                  f"{LocalShard.EXACT_MAX_FRACTION:.0%} of the shard), cap {LocalShard.EXACT_MAX_ROWS} "
+            print(f"-- exact below max({ShardIndex.EXACT_MIN_ROWS} rows, "
+                  f"{ShardIndex.EXACT_MAX_FRACTION:.0%} of the shard), cap {ShardIndex.EXACT_MAX_ROWS} "
                   "(server default)")
             print(HEADER)
             print(fmt_row(unres, args.n))
@@ -315,7 +319,7 @@ def main(argv=None) -> int:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
     mon.__exit__(None, None, None)
-    print("\ncolumns: rows = the tenant's allowed chunks; p50/p99 = whole search_sync call; "
+    print("\ncolumns: rows = the tenant's allowed chunks; p50/p99 = whole search_group call; "
           "dense50/99 = its dense part\n(ShardResult.dense_ms); rec@10 vs exact restricted brute "
           "force; fill = results returned (of 10);\nrawANN r/fill = recall and fill of the ANN "
           "selector search alone, before the exact fallback (only where ANN ran);\n1st ms = the "

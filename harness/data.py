@@ -61,3 +61,9 @@ def demo_corpus(path: Path, limit: Optional[int] = None) -> Path:
             f.write(json.dumps({"id": doc.doc_id, "title": doc.title, "text": doc.text,
                                 "metadata": doc.metadata}) + "\n")
     return path
+
+
+def synthetic(n: int, n_queries: int, dim: int, clusters: int, latent: int, spread: float,
+              noise: float, seed: int):
+    """(base, queries) from `clustered`, the benchmarks' historical signature."""
+    return clustered(n, dim, seed, clusters, latent, spread, noise, n_queries)

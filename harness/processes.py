@@ -45,10 +45,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ServiceProcess:
     """A `search-server` process (`python -m server.main ARGS`), ready once it prints its
-    "listening on HOST:PORT" line; `prefix` runs it under another command (e.g. `ip netns exec`)."""
+    "listening on HOST:PORT" line; `prefix` runs it under another command (e.g. `ip netns exec`).
+    A process not serving within `ready_timeout` seconds is killed and reported."""
 
     def __init__(self, args: Sequence[str], what: str = "server", prefix: Sequence[str] = (),
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, ready_timeout: float = 180.0):
         self.args = list(args)
         self.what = what
         self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "server.main", *self.args],
@@ -56,16 +57,23 @@ class ServiceProcess:
                                      text=True, env=env)
         _STARTED.append(self.proc)
         self.lines: list[str] = []
-        for line in self.proc.stdout:  # the server prints its port once it is serving
-            self.lines.append(line)
-            m = re.search(r"listening on [0-9a-fA-F.:\[\]]+?:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                break
-        else:
-            self.proc.wait(10)
-            raise RuntimeError(f"{what} exited ({self.proc.returncode}) before serving:\n"
-                               + "".join(self.lines))
+        # reading stdout blocks; a process that hangs before serving is killed, which ends the read
+        watchdog = threading.Timer(ready_timeout, self.proc.kill)
+        watchdog.start()
+        try:
+            for line in self.proc.stdout:  # the server prints its port once it is serving
+                self.lines.append(line)
+                m = re.search(r"listening on [0-9a-fA-F.:\[\]]+?:(\d+)", line)
+                if m:
+                    self.port = int(m.group(1))
+                    break
+            else:
+                self.proc.wait(10)
+                hung = " (killed: not serving within %gs)" % ready_timeout if watchdog.finished.is_set() else ""
+                raise RuntimeError(f"{what} exited ({self.proc.returncode}){hung} before serving:\n"
+                                   + "".join(self.lines))
+        finally:
+            watchdog.cancel()
         # keep draining its output so a chatty child never blocks on a full pipe
         self.drain = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.drain.start()
@@ -95,10 +103,12 @@ class ServiceProcess:
 class ShardProcess(ServiceProcess):
     """`search-server shard` for one shard of a collection on an ephemeral loopback port."""
 
-    def __init__(self, data_dir, collection: str, shard: int, *flags: str):
+    def __init__(self, data_dir, collection: str, shard: int, *flags: str,
+                 ready_timeout: float = 180.0):
         super().__init__(["shard", "--data-dir", str(data_dir), "--collection", collection,
                           "--shard", str(shard), "--port", "0", "--device", "cpu",
-                          "--log-level", "WARNING", *flags], "shard server")
+                          "--log-level", "WARNING", *flags], "shard server",
+                         ready_timeout=ready_timeout)
 
 
 # --- nats-server -------------------------------------------------------------------------------

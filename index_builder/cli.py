@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--depth", type=int, default=100, help="documents ranked per query")
     ev.add_argument("--rerank-depth", type=int, default=50)
     ev.add_argument("--out", type=Path, default=None, help="directory for per-query results")
+    ev.add_argument("--plots", type=Path, default=None,
+                    help="write PNG plots (nDCG@10 by mode and query slice) here; needs matplotlib "
+                         "(the bench extra)")
 
     cp = sub.add_parser("compact", help="ask a running server to compact a collection (drop tombstones)")
     cp.add_argument("--address", default="127.0.0.1:50051")

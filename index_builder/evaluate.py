@@ -196,6 +196,12 @@ def run_eval(args) -> int:
                         f.write(json.dumps({"collection": collection, "mode": mode, "query_id": qid,
                                             **q}) + "\n")
         print(f"summary and per-query results written to {args.out}", file=sys.stderr)
+    if getattr(args, "plots", None):
+        from harness.plots import ndcg_by_slice
+
+        summary = {c: {k: v for k, v in r.items() if k != "per_query"} for c, r in report.items()}
+        for png in ndcg_by_slice(summary, args.plots):
+            print(f"plot written to {png}", file=sys.stderr)
     return 0
 
 

@@ -1,37 +1,29 @@
-"""Loopback cluster helpers shared by loadtest/run_cluster.py and bench/bench_{hedging,fanout}.py.
+"""Loopback clusters, shared by loadtest/run.py and bench/bench_{hedging,fanout}.py.
 
 * `ensure_collections([1, 2, 4, 8])` builds the Cranfield corpus as `cran_s{N}` (N shards, Flat,
-  real packaged MiniLM) under bench/results/loadtest-data unless a published build is already there.
+  packaged MiniLM) under bench/results/loadtest-data unless a published build is already there.
   Chunk embeddings are cached on disk by (model id, sha256 of the text), so building the same
   corpus with another shard count does not re-embed it.
-* `Cluster` starts N shards x R replicas of `python -m server.main shard` plus one
-  `python -m server.main router` as subprocesses on 127.0.0.1, waits until each is serving, and stops
-  them all (SIGTERM, then SIGKILL) on `stop()` / leaving the `with` block.
+* `Cluster` starts N shards x R replicas of `search-server shard` and one `search-server router`
+  (harness.processes) on 127.0.0.1, and stops them on `stop()` / leaving the `with` block.
 * `scrape_metrics` / `router_counters` read the router's Prometheus /metrics.
-* `load_queries` reads Cranfield's queries.jsonl.
+* `closed_loop` / `warm_up`: closed-loop gRPC clients for the benchmarks.
 
-Everything listens on 127.0.0.1 only; every wait is bounded.
+Every wait is bounded.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
-import socket
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
-from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-REPO = Path(__file__).resolve().parent.parent
+from harness import processes
+from harness.data import CRANFIELD, REPO, read_queries
+
 DATA_DIR = REPO / "bench" / "results" / "loadtest-data"
-CRANFIELD = Path(os.environ.get("CRANFIELD_DIR", "/work/shared/datasets/cranfield"))
-PYTHON = sys.executable
 FALLBACK_QUERIES = [
     "boundary layer transition", "supersonic flow over a cone", "heat transfer to a wall",
     "buckling of cylindrical shells", "slip flow", "wing flutter at transonic speed",
@@ -43,16 +35,11 @@ def collection_name(shards: int) -> str:
 
 
 def load_queries(path: Optional[Path] = None) -> list[str]:
-    path = Path(path) if path else CRANFIELD / "queries.jsonl"
+    """Cranfield's queries (a few built-in ones where the dataset is not there)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            out = [json.loads(line)["text"].strip() for line in f if line.strip()]
-        out = [q for q in out if q]
-        if out:
-            return out
+        return read_queries(Path(path) if path else CRANFIELD) or list(FALLBACK_QUERIES)
     except (OSError, ValueError, KeyError):
-        pass
-    return list(FALLBACK_QUERIES)
+        return list(FALLBACK_QUERIES)
 
 
 # --------------------------------------------------------------------------- collections
@@ -154,70 +141,6 @@ def ensure_collections(shard_counts: Iterable[int], data_dir: Path = DATA_DIR,
 
 # --------------------------------------------------------------------------- processes
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """A `python -m server.main ...` child; `start()` returns once it printed its listening line."""
-
-    LISTEN = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
-
-    def __init__(self, name: str, argv: Sequence[str], env: Optional[dict] = None):
-        self.name = name
-        self.argv = [PYTHON, "-m", "server.main", *argv]
-        self.env = env
-        self.proc: Optional[subprocess.Popen] = None
-        self.port: Optional[int] = None
-        self.lines: deque[str] = deque(maxlen=200)
-        self._ready = threading.Event()
-
-    def launch(self) -> "ServerProcess":
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=self.env,
-                                     stdin=subprocess.DEVNULL)
-        threading.Thread(target=self._drain, daemon=True).start()
-        return self
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:  # keep draining so a chatty child never blocks on the pipe
-            self.lines.append(line.rstrip("\n"))
-            if self.port is None:
-                m = self.LISTEN.search(line)
-                if m:
-                    self.port = int(m.group(1))
-                    self._ready.set()
-        self._ready.set()
-
-    def wait_listening(self, timeout: float = 180.0) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while not self._ready.wait(0.2):
-            if time.monotonic() > deadline:
-                break
-        if self.port is None:
-            tail = "\n".join(self.lines)
-            raise RuntimeError(f"{self.name} did not start (exit code {self.proc.poll()}):\n{tail}\n"
-                               "(if it failed reading a build made by an older index builder, "
-                               "rerun with --rebuild: embeddings are cached, it takes seconds)")
-        return self
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self, grace: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 class Cluster:
     """shards x replicas shard servers + a router, all on 127.0.0.1.
 
@@ -226,15 +149,14 @@ class Cluster:
 
     def __init__(self, collection: str, shards: int, replicas: int, data_dir: Path = DATA_DIR,
                  shard_flags: Optional[Callable[[int, int], list[str]]] = None,
-                 router_flags: Sequence[str] = (), log=print, env: Optional[dict] = None):
+                 router_flags: Sequence[str] = (), log=print):
         self.collection, self.shards, self.replicas = collection, shards, replicas
         self.data_dir = Path(data_dir)
         self.shard_flags = shard_flags or (lambda s, r: [])
         self.router_flags = list(router_flags)
         self.log = log
-        self.env = env
-        self.shard_procs: list[list[ServerProcess]] = []
-        self.router: Optional[ServerProcess] = None
+        self.shard_procs: list[list[processes.ShardProcess]] = []
+        self.router: Optional[processes.ServiceProcess] = None
         self.metrics_port: Optional[int] = None
 
     def start(self, timeout: float = 240.0) -> "Cluster":
@@ -243,23 +165,18 @@ class Cluster:
         t0 = time.perf_counter()
         try:
             for s in range(self.shards):
-                row = []
+                self.shard_procs.append([])
                 for r in range(self.replicas):
-                    argv = ["shard", "--data-dir", str(self.data_dir), "--collection", self.collection,
-                            "--shard", str(s), "--port", "0", "--device", "cpu",
-                            "--log-level", "WARNING", *self.shard_flags(s, r)]
-                    row.append(ServerProcess(f"shard {s} replica {r}", argv, self.env).launch())
-                self.shard_procs.append(row)
-            for row in self.shard_procs:
-                for p in row:
-                    p.wait_listening(timeout)
-            self.metrics_port = free_port()
+                    self.shard_procs[-1].append(processes.ShardProcess(
+                        self.data_dir, self.collection, s, *self.shard_flags(s, r),
+                        ready_timeout=timeout))
+            self.metrics_port = processes.free_port()
             argv = ["router", "--collection", self.collection, "--port", "0",
                     "--metrics-port", str(self.metrics_port), "--device", "cpu",
                     "--log-level", "WARNING", *self.router_flags]
             for row in self.shard_procs:
                 argv += ["--replicas", ",".join(p.address for p in row)]
-            self.router = ServerProcess("router", argv, self.env).launch().wait_listening(timeout)
+            self.router = processes.ServiceProcess(argv, "router", ready_timeout=timeout)
             wait_ready(self.router.address, 60)
         except BaseException:
             self.stop()
@@ -282,14 +199,9 @@ class Cluster:
         return self.shard_procs[shard][replica].address
 
     def stop(self) -> None:
-        if self.router is not None:
-            self.router.stop()
-        for row in self.shard_procs:
-            for p in row:
-                if p.proc is not None and p.proc.poll() is None:
-                    p.proc.terminate()
-        for row in self.shard_procs:
-            for p in row:
+        """Router first, then every shard server (SIGTERM, SIGKILL after 15 s each)."""
+        for p in [self.router, *(p for row in self.shard_procs for p in row)]:
+            if p is not None:
                 p.stop()
 
     def __enter__(self) -> "Cluster":

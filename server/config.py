@@ -308,7 +308,8 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
             annotation = _field_types(types[sec])[f.name]
             base = _base_type(annotation)
             default = getattr(getattr(defaults, sec), f.name)
-            help_text = f"{f.metadata.get('help', '')} [default: {default if default not in ([], None) else 'unset'}; env {ENV_PREFIX}{f.name.upper()}]"
+            # argparse %-formats help strings: a literal % in the text must be doubled
+            help_text = f"{f.metadata.get('help', '').replace('%', '%%')} [default: {default if default not in ([], None) else 'unset'}; env {ENV_PREFIX}{f.name.upper()}]"
             dest = f"{sec}.{f.name}"
             if base is bool:
                 group.add_argument(_flag(sec, f, command), dest=dest, action=argparse.BooleanOptionalAction,

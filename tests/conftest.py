@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from server.transport.embedded import ServerThread  # noqa: F401  (re-exported to the tests)
+from server.transport.embedded import serve_config as server_config  # noqa: F401
+from server.transport.embedded import start_core_server  # noqa: F401
 
 from harness.data import CRANFIELD  # noqa: F401  (../shared/datasets/cranfield)
 from harness.processes import REPO, ServiceProcess, ShardProcess  # noqa: F401
@@ -64,28 +66,11 @@ def small_collection(tmp_path_factory, tiny_embedder, cranfield_docs):
     return data, publish_build(data, "cran", cranfield_docs[:300], tiny_embedder, shards=2)
 
 
-def server_config(data_dir, **sections):
-    """The configuration the CLI builds (server/config.py), with some sections changed, e.g.
-    server_config(data, engine={"max_batch": 8})."""
-    from server.config import default_config
-
-    return default_config("serve").replace(storage={"data_dir": data_dir, **sections.pop("storage", {})},
-                                           **sections)
-
-
 def make_core(data_dir, embedder=None, reranker=None, **sections):
     from server.backends.device import Device
     from server.core.service import SearchCore
 
     return SearchCore(server_config(data_dir, **sections), embedder, reranker, Device("cpu"))
-
-
-def start_core_server(data_dir, embedder=None, reranker=None, auth=None, tls=None, **sections):
-    from server.transport.auth import AnonymousAuth
-
-    core = make_core(data_dir, embedder, reranker, **sections)
-    core.load()
-    return ServerThread(core, auth or AnonymousAuth("default"), tls=tls).start()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -65,6 +65,20 @@ def test_config_print_shows_the_effective_configuration_and_it_round_trips(tmp_p
     assert again.pipeline.dense_feedback_docs == 3
 
 
+@pytest.mark.parametrize("command", ["serve", "shard", "router", "config"])
+def test_every_command_prints_its_generated_flags_in_help(command):
+    """Regression: a literal % in a field's help crashed `search-server router --help` (argparse
+    %-formats help text)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog=f"search-server {command}")
+    add_flags(p, command)
+    text = p.format_help()
+    assert "--log-level" in text
+    if command == "router":
+        assert "--hedge-budget" in text and "~5%)" in text
+
+
 def test_the_cli_and_the_tests_build_the_same_defaults():
     """Regression (issue 12): SearchConfig.embed_max_batch was 64 while the CLI used 16 on CPU, so
     tests never ran what production ran; now one tree holds each default once."""

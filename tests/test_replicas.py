@@ -87,6 +87,25 @@ def test_least_outstanding_replica_is_picked_first():
     assert (a.calls, b.calls) == (0, 1)
 
 
+def test_a_replica_slow_once_earns_back_its_share_as_the_evidence_fades():
+    """Regression: the pick used a latency EWMA that moved only when a replica answered, so a
+    replica slow once (one 100 ms stall) got no traffic until its sibling had ~30 calls
+    outstanding: under moderate load one replica served everything."""
+    a, b = Replica("a"), Replica("b")
+    rs = ReplicaSet(0, [a, b], HedgePolicy(enabled=False, ewma_half_life_s=1.0))
+    now = [100.0]
+    rs._clock = lambda: now[0]
+    rs._success(0, 100.0)          # a: one stall -> EWMA 30.7 ms
+    rs._success(1, 1.0)            # b: 1 ms
+    rs.outstanding = [0, 1]        # b is busy with one call: 2 x 1 ms against 1 x 30.7 ms
+    run(rs.search(Q, 5))
+    assert (a.calls, b.calls) == (0, 1)   # fresh evidence: still the fast replica
+    now[0] += 10.0                 # ten half-lives without an answer from a: 2 x 1 against ~1 x 1
+    rs.outstanding = [0, 1]
+    run(rs.search(Q, 5))
+    assert (a.calls, b.calls) == (1, 1)
+
+
 def test_candidates_from_another_corpus_version_are_never_fused(small_collection, tiny_embedder):
     from conftest import make_core
     from server.core.registry import LoadedCollection

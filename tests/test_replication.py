@@ -3,6 +3,7 @@ the router appends, every replica applies in log order and converges; reads carr
 write's sequence see it; a restarted replica catches up before it serves; the shard port takes
 only the router's credential and enforces the API's limits itself."""
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -13,6 +14,7 @@ from server.rpc import shard_pb2 as spb
 from server.rpc import shard_pb2_grpc as spb_grpc
 
 from conftest import ServiceProcess, ShardProcess, publish_build
+from harness.processes import free_port
 from nats_fixture import nats_server  # noqa: F401  (the module's JetStream server)
 
 TOKEN = "router-credential-for-tests-0123456789"
@@ -140,10 +142,18 @@ def test_a_replica_that_was_down_catches_up_before_it_serves(cluster):
         last = write(stub, f"down-{i}", 1, f"zyxdown{i} written while a replica was down")
     for i in range(10):  # the surviving replicas answer, with the writes
         assert lexical(stub, f"zyxdown{i}", last.sequence) == [f"down-{i}"]
-    reborn = shard_proc(data, 0, 1, nats.url, "--port", str(victim.port))  # same id: same state
+    metrics_port = free_port()
+    reborn = shard_proc(data, 0, 1, nats.url, "--port", str(victim.port),  # same id: same state
+                        "--metrics-port", str(metrics_port))
     cluster["shards"][0][1] = reborn
     by_shard = wait_converged(admin)
     assert by_shard[0][0].applied_sequence >= last.sequence or by_shard[1][0].applied_sequence >= last.sequence
+    # the replica exports how far behind the log it is (operators' write-lag panel): caught up, 0
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    lag = [line for line in scraped.splitlines() if line.startswith("search_replica_write_lag{")]
+    assert lag and all(line.endswith(" 0.0") for line in lag), lag
+    applied = [line for line in scraped.splitlines() if line.startswith("search_applied_sequence{")]
+    assert any(float(line.split()[-1]) > 0 for line in applied), applied
 
 
 def test_the_shard_port_requires_the_router_credential(cluster):

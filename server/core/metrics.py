@@ -39,6 +39,8 @@ LEXICAL_REPAIRS = Counter("search_lexical_repaired_rows_total", "Rows the BM25 i
                           "against the store (invariant 7), found and repaired", ["collection", "shard"])
 APPLIED_SEQ = Gauge("search_applied_sequence", "Write-log position a shard has applied",
                     ["collection", "shard"])
+WRITE_LAG = Gauge("search_replica_write_lag", "Log entries for this shard the replica has not "
+                  "applied yet (each replica process reports its own)", ["collection", "shard"])
 ENGINE_BATCH = Histogram("search_engine_batch_size", "Queries per batched shard search",
                          ["collection", "shard"], buckets=BATCH_BUCKETS)
 ENGINE_QUEUE_SECONDS = Histogram("search_engine_queue_seconds", "Time a query waited for its "

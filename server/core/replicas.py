@@ -9,6 +9,9 @@ Policy, in order:
 2. **Pick**: among replicas in rotation, the lowest (outstanding calls + 1) x recent latency
    (an EWMA that also counts hedges a replica lost: a hung replica does not look idle just because
    its cancelled calls left), ties round-robin; replicas already tried for this request skipped.
+   A replica's excess over the best replica's latency fades with `ewma_half_life_s` since its
+   last answer, so one that was slow once is tried again and earns back its share, instead of
+   going without traffic for as long as its sibling keeps up (which would halve capacity).
 3. **Hedge**: if it has not answered after the hedge delay - this shard's recently observed p95
    latency, clamped to [hedge_min_ms, hedge_max_ms] - send the same request to a second replica.
    The first success wins; the other call is cancelled. Hedges are capped by a budget: every
@@ -59,6 +62,7 @@ class HedgePolicy:
     eject_after: int = 3          # timeouts or lost hedges in a row that eject a replica
     eject_ms: float = 1000.0
     eject_max_ms: float = 30_000.0
+    ewma_half_life_s: float = 1.0  # slow evidence fades when a replica has not answered since
 
 
 class LatencyWindow:
@@ -89,6 +93,7 @@ class LatencyWindow:
 @dataclass
 class ReplicaHealth:
     ewma_ms: float = 1.0
+    sampled_at: float = 0.0       # when ewma_ms last moved (monotonic s)
     strikes: int = 0              # timeouts / lost hedges in a row
     ejections: int = 0            # ejections in a row (reset by a success)
     ejected_until: float = 0.0
@@ -113,6 +118,7 @@ class ReplicaSet:
         self.health = [ReplicaHealth() for _ in replicas]
         self.latency = LatencyWindow(policy)
         self._rr = itertools.count()
+        self._clock = time.monotonic
         self._tokens = policy.hedge_burst
         self.stats = {"requests": 0, "hedges": 0, "hedges_won": 0, "retries": 0, "ejections": 0}
 
@@ -125,7 +131,7 @@ class ReplicaSet:
 
     # --- rotation ----------------------------------------------------------------------------
     def _pick(self, exclude: set[int]) -> Optional[int]:
-        now = time.monotonic()
+        now = self._clock()
         untried = [i for i in range(len(self.replicas)) if i not in exclude]
         if not untried:
             return None
@@ -133,20 +139,31 @@ class ReplicaSet:
         candidates = rotation or untried
         start = next(self._rr)
         n = len(self.replicas)
-        return min(candidates, key=lambda i: ((self.outstanding[i] + 1) * self.health[i].ewma_ms,
+        best = min(self.health[i].ewma_ms for i in candidates)
+        return min(candidates, key=lambda i: ((self.outstanding[i] + 1) * self._latency(i, now, best),
                                               (i - start) % n))
+
+    def _latency(self, i: int, now: float, best: Optional[float] = None) -> float:
+        """Replica i's recent latency, its excess over the best replica's faded by the time since
+        it last answered (half-life `ewma_half_life_s`)."""
+        h = self.health[i]
+        if best is None:
+            best = min(x.ewma_ms for x in self.health)
+        age = max(0.0, now - h.sampled_at)
+        return best + (h.ewma_ms - best) * 0.5 ** (age / self.policy.ewma_half_life_s)
 
     def _strike(self, i: int, elapsed_ms: float) -> None:
         """A timeout, or a first attempt a later hedge beat: slow evidence, and ejection when
         repeated - unless that would leave no other replica in rotation."""
         h = self.health[i]
-        h.ewma_ms = 0.7 * h.ewma_ms + 0.3 * elapsed_ms
+        now = self._clock()
+        h.ewma_ms = 0.7 * self._latency(i, now) + 0.3 * elapsed_ms
+        h.sampled_at = now
         h.strikes += 1
-        now = time.monotonic()
         others = [j for j in range(len(self.replicas)) if j != i and self.health[j].in_rotation(now)]
         if h.strikes >= self.policy.eject_after and others:
             ms = min(self.policy.eject_ms * 2 ** h.ejections, self.policy.eject_max_ms)
-            h.ejected_until = time.monotonic() + ms / 1e3
+            h.ejected_until = now + ms / 1e3
             h.ejections += 1
             h.strikes = 0
             self.stats["ejections"] += 1
@@ -154,7 +171,9 @@ class ReplicaSet:
 
     def _success(self, i: int, ms: float) -> None:
         h = self.health[i]
-        h.ewma_ms = 0.7 * h.ewma_ms + 0.3 * ms
+        now = self._clock()
+        h.ewma_ms = 0.7 * self._latency(i, now) + 0.3 * ms
+        h.sampled_at = now
         h.strikes = 0
         h.ejections = 0
 

@@ -23,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from typing import Optional
 
 from server.config import ReplicationConfig
+from server.core import metrics
 from server.core.collection import shard_dir_name
 from server.core.types import ShardWrite
 from server.errors import SearchError
@@ -75,6 +77,8 @@ class ShardReplicator:
         self.caught_up = False
         self.reader: Optional[ShardLogReader] = None
         self._stop = asyncio.Event()
+        self._lag_gauge = metrics.WRITE_LAG.labels(shard.desc.collection, str(shard.shard_no))
+        self._lag_checked = 0.0
         shard.replicated = True
         shard.watermark_probe = self.subject_last_sequence
 
@@ -119,6 +123,11 @@ class ShardReplicator:
         await self.reader.ack(entries)
         return len(entries)
 
+    async def _report_lag(self) -> None:
+        if time.monotonic() - self._lag_checked >= 1.0:
+            self._lag_gauge.set(await self.reader.lag())
+            self._lag_checked = time.monotonic()
+
     async def catch_up(self, timeout: float = 0.2) -> int:
         """Apply everything the log holds for this shard now; then report ready."""
         total = 0
@@ -127,18 +136,25 @@ class ShardReplicator:
             total += n
             if n == 0 and await self.reader.lag() == 0:
                 break
+            await self._report_lag()
+        self._lag_gauge.set(0)
         self.caught_up = True
         log.info("shard %d replica caught up: applied %d log entries, at sequence %d",
                  self.shard.shard_no, total, self.shard.index.applied_seq)
         return total
 
     async def run(self) -> None:
-        """Follow the log until stopped; on errors (NATS down) retry with backoff."""
+        """Follow the log until stopped; on errors (NATS down) retry with backoff. The replica's
+        lag is exported at most once a second while it applies (one consumer-info request), and
+        as 0 whenever the log has nothing more for it."""
         backoff = 0.2
         while not self._stop.is_set():
             try:
                 if await self.step(0.5):
                     backoff = 0.2
+                    await self._report_lag()
+                else:
+                    self._lag_gauge.set(0)
             except (SearchError, WriteLogError) as exc:
                 log.warning("shard %d replicator: %s; retrying in %.1fs", self.shard.shard_no, exc,
                             backoff)

@@ -69,3 +69,23 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout)
         self.loop.close()
+
+
+def serve_config(data_dir, **sections):
+    """The configuration `search-server serve` builds (server/config.py), with some sections
+    changed, e.g. serve_config(data, engine={"max_batch": 8})."""
+    from server.config import default_config
+
+    return default_config("serve").replace(
+        storage={"data_dir": data_dir, **sections.pop("storage", {})}, **sections)
+
+
+def start_core_server(data_dir, embedder=None, reranker=None, auth=None, tls=None,
+                      **sections) -> ServerThread:
+    """A loaded SearchCore on the CPU device, served over loopback gRPC from a background thread."""
+    from server.backends.device import Device
+    from server.core.service import SearchCore
+
+    core = SearchCore(serve_config(data_dir, **sections), embedder, reranker, Device("cpu"))
+    core.load()
+    return ServerThread(core, auth, tls=tls).start()

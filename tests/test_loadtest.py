@@ -1,0 +1,106 @@
+"""loadtest/: the open-loop generator and the Locust runner, run through loadtest/run.py as
+subprocesses against a real `search-server serve` (tiny embedder, 150 demo documents)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, ServiceProcess, publish_build
+
+try:
+    import hdrh  # noqa: F401
+except ImportError:  # CI must run these: the test extra has to install it
+    if os.environ.get("CI"):
+        raise ImportError("hdrhistogram is missing: it belongs in the `test` extra of pyproject.toml")
+    pytest.skip("hdrhistogram not installed (pip install -e '.[load]')", allow_module_level=True)
+
+from loadtest.openloop import Recorder, arrival_offsets  # noqa: E402
+
+RUN = [sys.executable, str(REPO / "loadtest" / "run.py")]
+RATE, SECONDS = 40, 3
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory, tiny_embedder, tiny_embedder_dir):
+    """The demo collection's name and documents (150 of them), tiny embedder, served."""
+    from index_builder.corpus import stdlib_docs
+
+    data = tmp_path_factory.mktemp("loadtest-data")
+    publish_build(data, "stdlib", list(stdlib_docs(150)), tiny_embedder)
+    model = ["--embedder", str(tiny_embedder_dir), "--embedder-name", "tiny-test-embedder"]
+    srv = ServiceProcess(["serve", "--data-dir", str(data), "--port", "0", "--device", "cpu",
+                          "--log-level", "WARNING", *model], "search-server serve")
+    yield data, model, srv.address
+    srv.stop()
+
+
+def run(args, timeout=120):
+    """loadtest/run.py as a subprocess; a hang fails the test (TimeoutExpired) instead of CI."""
+    return subprocess.run([*RUN, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_recorder_exact_percentiles_never_above_max():
+    rec = Recorder()
+    for ms in range(1, 1001):  # 1..1000 ms
+        rec.record(ms / 1e3, 0.0, None)
+    rec.record(0.5, 0.0, "UNAVAILABLE", "down")
+    p = rec.percentiles_ms()
+    assert p["p50"] == pytest.approx(500, rel=1e-3) and p["p99"] == pytest.approx(990, rel=1e-3)
+    assert p["p999"] <= p["max"] == 1000.0
+    assert dict(rec.errors) == {"UNAVAILABLE": 1} and rec.failed == 1
+
+
+def test_arrivals():
+    assert arrival_offsets(40, 3, False, 0) == [i / 40 for i in range(120)]
+    poisson = arrival_offsets(100, 20, True, 1)
+    assert 1800 < len(poisson) < 2200 and poisson == sorted(poisson) and poisson[-1] < 20
+
+
+def test_open_loop_meets_generous_budget(demo, tmp_path):
+    """run.py starts its own server (on its own state dir), loads it, stops it, exits 0."""
+    data, model, _ = demo
+    out = tmp_path / "summary.json"
+    proc = run(["--data-dir", str(data), *model, "--rate", str(RATE), "--duration", str(SECONDS),
+                "--warmup", "0.5", "--mode", "hybrid", "--p99-budget-ms", "60000",
+                "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    assert s["errors"] == {} and s["ok"] == s["count"] == s["scheduled"]
+    assert abs(s["count"] - RATE * SECONDS) <= 1
+    lat = s["latency_ms"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p999"] <= lat["max"]
+    assert s["exit_code"] == 0 and not s["p99_over_budget"]
+    assert "p99 within the budget" in proc.stdout
+
+
+def test_open_loop_fails_impossible_budget(demo, tmp_path):
+    _, _, address = demo
+    out = tmp_path / "summary.json"
+    proc = run(["--address", address, "--rate", str(RATE), "--duration", "2", "--warmup", "0",
+                "--mode", "lexical", "--p99-budget-ms", "0.001", "--json", str(out)])
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    assert s["p99_over_budget"] and s["exit_code"] == 3 and s["errors"] == {}
+    assert s["latency_ms"]["p99"] > 0.001 and "over the budget" in proc.stdout
+    helptext = subprocess.run([sys.executable, str(REPO / "loadtest" / "openloop.py"), "--help"],
+                              capture_output=True, text=True, timeout=60).stdout
+    assert "--p99-budget-ms" in helptext and "status 3" in helptext
+
+
+def test_locust_run_exits_and_reports(demo, tmp_path):
+    """Locust runs as a subprocess of the runner and its CSV is read back: no import of locust
+    into the runner, no hang after the load."""
+    _, _, address = demo
+    out = tmp_path / "locust.json"
+    proc = run(["--address", address, "--locust", "--users", "2", "--rate", "10", "--duration",
+                "3", "--warmup", "0", "--mode", "lexical", "--csv-prefix",
+                str(tmp_path / "csv" / "s"), "--json", str(out)], timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["requests"] > 0 and res["failures"] == 0 and res["complete"]
+    assert (tmp_path / "csv" / "s_stats.csv").is_file()
