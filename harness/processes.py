@@ -134,7 +134,7 @@ class NatsServer:
     """
 
     def __init__(self, store_dir: Path, port: Optional[int] = None, host: str = "127.0.0.1",
-                 binary: Optional[str] = None) -> None:
+                 binary: Optional[str] = None, extra_args: Sequence[str] = ()) -> None:
         found = binary or find_nats_server()
         if not found:
             raise FileNotFoundError("nats-server not found: run `bash scripts/nats.sh install` "
@@ -144,6 +144,7 @@ class NatsServer:
         self.host = host
         self.port = port or free_port(host)
         self.log_path = self.store_dir.parent / f"{self.store_dir.name}.nats-server.log"
+        self.extra_args = list(extra_args)  # e.g. ["--auth", TOKEN]
         self.proc: Optional[subprocess.Popen] = None
 
     @property
@@ -160,7 +161,8 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [self.binary, "-js", "-sd", str(self.store_dir), "-p", str(self.port), "-a", self.host],
+                [self.binary, "-js", "-sd", str(self.store_dir), "-p", str(self.port), "-a", self.host,
+                 *self.extra_args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         _STARTED.append(self.proc)
         deadline = time.monotonic() + timeout

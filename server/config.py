@@ -148,7 +148,7 @@ class ShardConfig:
     build: Optional[str] = opt(None, "build id (default: the collection's live build, followed "
                                      "when it changes)")
     replica_id: Optional[str] = opt(None, "this replica's name (its durable log consumer); "
-                                          "default: HOSTNAME:PORT")
+                                          "default: HOSTNAME-PORT")
     inject_delay_prob: float = opt(0.0, "fault injection (tests only): delay this share of searches")
     inject_delay_ms: float = opt(0.0, "fault injection: the delay")
     inject_fail_prob: float = opt(0.0, "fault injection: fail this share with UNAVAILABLE")
@@ -180,6 +180,11 @@ class ReplicationConfig:
     stream_replicas: int = opt(1, "JetStream replicas of the write log (3 in production)")
     apply_batch: int = opt(256, "log entries a replica applies per group commit")
     publish_timeout_s: float = opt(5.0, "how long a write waits for the log to hold it")
+    nats_creds: Optional[Path] = opt(None, "NATS user credentials file (.creds: JWT and nkey seed)")
+    nats_token_file: Optional[Path] = opt(None, "file holding a NATS authorization token")
+    nats_tls_ca: Optional[Path] = opt(None, "reach NATS over TLS, trusting this CA")
+    nats_tls_cert: Optional[Path] = opt(None, "client certificate for mutual TLS to NATS")
+    nats_tls_key: Optional[Path] = opt(None, "key of --nats-tls-cert")
 
 
 @dataclass

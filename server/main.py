@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
+from typing import Optional
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,8 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(c, "config")
     h = sub.add_parser("health", help="exit 0 when a server answers SERVING (container probes)")
     h.add_argument("--address", default="127.0.0.1:50051")
-    h.add_argument("--service", default="", help="a service name, or empty for the server")
+    h.add_argument("--service", default="",
+                   help='a service name; empty: the server is ready (a shard: caught up on its '
+                        'log); "liveness": its event loop answers (liveness probes)')
     h.add_argument("--timeout", type=float, default=3.0)
+    h.add_argument("--tls-ca", type=Path, default=None, help="the server speaks TLS: trust this CA")
+    h.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
+    h.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
     # the front-end worker of `serve --workers N` (started by serve itself, not by users)
     f = sub.add_parser("frontend", help=argparse.SUPPRESS)
     f.add_argument("--engine-socket", required=True)
@@ -52,13 +59,22 @@ class _QuietFaissLoader(logging.Filter):
         return not (record.name.startswith("faiss") and record.levelno <= logging.INFO)
 
 
-def health(address: str, service: str, timeout: float) -> int:
+def health(address: str, service: str, timeout: float, tls_ca: Optional[Path] = None,
+           tls_cert: Optional[Path] = None, tls_key: Optional[Path] = None) -> int:
     """The gRPC health check, for HEALTHCHECK lines and probes: 0 if SERVING, 1 otherwise."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    if tls_ca or tls_cert:
+        creds = grpc.ssl_channel_credentials(
+            tls_ca.read_bytes() if tls_ca else None,
+            tls_key.read_bytes() if tls_key else None,
+            tls_cert.read_bytes() if tls_cert else None)
+        channel = grpc.secure_channel(address, creds)
+    else:
+        channel = grpc.insecure_channel(address)
     try:
-        with grpc.insecure_channel(address) as ch:
+        with channel as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                         timeout=timeout)
     except grpc.RpcError as err:
@@ -74,7 +90,8 @@ def main(argv=None) -> None:
 
     args = build_parser().parse_args(argv)
     if args.command == "health":
-        raise SystemExit(health(args.address, args.service, args.timeout))
+        raise SystemExit(health(args.address, args.service, args.timeout, args.tls_ca,
+                                args.tls_cert, args.tls_key))
     command = args.command if args.command != "frontend" else "serve"
     try:
         cfg = load_config(command if command != "config" else "config", args)
@@ -99,7 +116,7 @@ def main(argv=None) -> None:
             roles.run_shard(cfg)
         else:
             roles.run_router(cfg)
-    except (SearchError, ValueError, FileNotFoundError) as exc:
+    except (SearchError, ValueError, OSError) as exc:  # bad paths, permissions: say which, exit 2
         print(f"search-server {args.command}: error: {exc}", file=sys.stderr)
         raise SystemExit(2)
 

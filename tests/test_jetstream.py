@@ -315,3 +315,35 @@ def test_unreachable_log_raises_write_log_unavailable_within_the_timeout(nats_se
             await log.publish(0, b"after close", "down-3", timeout=0.5)
 
     run(main())
+
+
+def test_a_log_that_requires_a_token_takes_it_from_the_configured_file(tmp_path):
+    """--nats-token-file (and --nats-creds, --nats-tls-*) reach the connection: without the token
+    the log refuses, with it the append is stored."""
+    from nats_fixture import _binary_or_skip
+    from server.config import ReplicationConfig
+    from server.replication.log import connect_log
+
+    token = "nats-token-for-tests-0123456789"
+    server = NatsServer(tmp_path / "store", binary=_binary_or_skip(), extra_args=["--auth", token])
+    server.start()
+    token_file = tmp_path / "nats-token"
+    token_file.write_text(token + "\n")
+
+    async def main():
+        with pytest.raises(WriteLogUnavailable):
+            await asyncio.wait_for(JetStreamWriteLog.connect([server.url], "authed",
+                                                             connect_timeout=1.0), 10.0)
+        log = await connect_log(ReplicationConfig(nats=[server.url], nats_token_file=token_file),
+                                "authed")
+        try:
+            assert (await log.publish(0, b"with the token", "authed-0", timeout=5.0)).seq == 1
+        finally:
+            await log.close()
+        with pytest.raises(ValueError, match="go together"):
+            await connect_log(ReplicationConfig(nats=[server.url], nats_tls_cert=token_file), "x")
+
+    try:
+        run(main())
+    finally:
+        server.stop()

@@ -227,6 +227,15 @@ def test_tls_listener_serves_tls_clients_only(tenant_build, tiny_embedder, tmp_p
                     pb.SearchRequest(collection="mt", text="flow", top_k=3), metadata=as_("big"),
                     timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # `search-server health` (container probes) speaks TLS when told the CA, and the liveness
+        # service answers beside the readiness one
+        from server.main import health
+
+        address = f"localhost:{srv.port}"
+        assert health(address, "", 5, tls_ca=cert) == 0
+        assert health(address, "liveness", 5, tls_ca=cert) == 0
+        assert health(address, "no.such.Service", 5, tls_ca=cert) == 1
+        assert health(address, "", 2) == 1  # plaintext against a TLS listener
     finally:
         srv.stop()
 

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from contextlib import contextmanager
@@ -95,6 +96,20 @@ def check_name(name: str, what: str = "collection") -> str:
     return name
 
 
+def readable_by_all(root: Path) -> None:
+    """Add read (and, for directories, search) permission for everyone under `root`: a build is
+    served read-only, often by another user than the one that built it, and some writers (tantivy's
+    meta.json, temporary-file renames) create files readable by their owner only."""
+    for path in [root, *Path(root).rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode
+        extra = (stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
+                 | ((stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH) if path.is_dir() else 0))
+        if mode & extra != extra:
+            path.chmod(mode | extra)
+
+
 def atomic_write(path: Path, text: str) -> None:
     """Write to a temporary file in the same directory, fsync, rename over the target."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,6 +119,7 @@ def atomic_write(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600: servers may run as another user than the builder
         os.replace(tmp, path)
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -178,6 +194,7 @@ class CollectionStore:
             tmp.mkdir()
             try:
                 yield tmp
+                readable_by_all(tmp)
                 os.rename(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

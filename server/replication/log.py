@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import ssl
 import time
+from pathlib import Path
 from typing import Optional
 
 from server.config import ReplicationConfig
@@ -36,6 +38,36 @@ from server.replication.jetstream import JetStreamWriteLog, ShardLogReader, Writ
 log = logging.getLogger(__name__)
 
 
+def nats_options(config: ReplicationConfig) -> dict:
+    """Credentials and TLS for the NATS connection, from the configuration's files."""
+    opts: dict = {}
+    if config.nats_creds:
+        if not Path(config.nats_creds).is_file():
+            raise FileNotFoundError(f"--nats-creds {config.nats_creds}: no such file")
+        opts["user_credentials"] = str(config.nats_creds)
+    if config.nats_token_file:
+        token = Path(config.nats_token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"--nats-token-file {config.nats_token_file} is empty")
+        opts["token"] = token
+    if config.nats_tls_ca or config.nats_tls_cert:
+        if bool(config.nats_tls_cert) != bool(config.nats_tls_key):
+            raise ValueError("--nats-tls-cert and --nats-tls-key go together")
+        ctx = ssl.create_default_context(cafile=str(config.nats_tls_ca) if config.nats_tls_ca else None)
+        if config.nats_tls_cert:
+            ctx.load_cert_chain(str(config.nats_tls_cert), str(config.nats_tls_key))
+        opts["tls"] = ctx
+    return opts
+
+
+async def connect_log(config: ReplicationConfig, collection: str) -> JetStreamWriteLog:
+    """The collection's write log on the configured NATS servers, its stream ensured."""
+    js = await JetStreamWriteLog.connect(config.nats, collection, config.stream_replicas,
+                                         **nats_options(config))
+    await js.ensure_stream()
+    return js
+
+
 class ReplicatedWriteLog:
     """The router's write log (server/core/writes.py WriteLog) on JetStream."""
 
@@ -45,9 +77,7 @@ class ReplicatedWriteLog:
 
     @classmethod
     async def connect(cls, config: ReplicationConfig, collection: str) -> "ReplicatedWriteLog":
-        js = await JetStreamWriteLog.connect(config.nats, collection, config.stream_replicas)
-        await js.ensure_stream()
-        return cls(js, config)
+        return cls(await connect_log(config, collection), config)
 
     async def append(self, collection: str, shard: int, write: ShardWrite, msg_id: str) -> int:
         from server.transport.codec import shard_write_to_pb

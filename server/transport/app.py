@@ -64,6 +64,12 @@ CHANNEL_OPTIONS = [
 SHARD_SERVICE = shard_pb2.DESCRIPTOR.services_by_name["ShardService"].full_name
 
 
+# A health service name that answers SERVING for as long as the server's event loop runs - also
+# while a shard catches up on its log (NOT_SERVING on "") or drains - so a liveness probe restarts
+# a process whose loop is stuck, never one that is merely not ready.
+LIVENESS = "liveness"
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
@@ -116,6 +122,7 @@ async def start_server(core: SearchCore, auth: Authenticator, host: str = "127.0
               else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ("",) + SERVICES:
         await health_servicer.set(name, status)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(server, bound, health_servicer, core, lifecycle)
 
 
@@ -141,6 +148,7 @@ async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0,
     running = RunningServer(server, bound, health_servicer, None, lifecycle, (SHARD_SERVICE,),
                             servicer)
     await running.set_serving(serving)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     return running
 
 

@@ -143,7 +143,13 @@ def boundary(method: str):
                 response = await fn(self, request, context)
             except asyncio.CancelledError:
                 if not lifecycle.draining:
-                    raise  # the client went away
+                    # gRPC cancels the handler when the caller's deadline passes, which can beat
+                    # the core's own DeadlineExceeded by a hair: count it by what happened.
+                    remaining = context.time_remaining()
+                    expired = remaining is not None and remaining <= 0
+                    metrics.REQUESTS.labels(method, "DEADLINE_EXCEEDED" if expired
+                                            else "CANCELLED").inc()
+                    raise  # the client went away, or its deadline did
                 metrics.REQUESTS.labels(method, "UNAVAILABLE").inc()
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     "the server shut down before answering; retry")

@@ -65,11 +65,9 @@ class ShardReplica:
         self.local = await loop.run_in_executor(None, self._open, build)
         self.served = FaultyShard(self.local, self.faults) if self.faults.active else self.local
         if self.cfg.replication.nats:
-            from server.replication.jetstream import JetStreamWriteLog
+            from server.replication.log import connect_log
 
-            self.js = await JetStreamWriteLog.connect(self.cfg.replication.nats, self.collection,
-                                                      self.cfg.replication.stream_replicas)
-            await self.js.ensure_stream()
+            self.js = await connect_log(self.cfg.replication, self.collection)
             self.replicator = self._replicator(self.local)
 
     def _replicator(self, local: LocalShard):
