@@ -1,16 +1,44 @@
-"""A small gRPC client: `python -m server.client "query text"` prints ranked hits with citations."""
+"""The Python client and `search-client`.
+
+    search-client "query text"                        # one query, ranked hits with citations
+    search-client --queries queries.txt --out hits.jsonl   # a file of queries, sent as SearchBatch
+
+`SearchClient` is the library form: `search()` for one query, `search_batch()` for many (split
+into SearchBatch calls of at most MAX_BATCH_QUERIES; every query gets its own status).
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import textwrap
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence
 
 import grpc
 
+from server.core.limits import MAX_BATCH_QUERIES, MAX_MESSAGE_BYTES
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
 MODES = {"dense": pb.DENSE, "lexical": pb.LEXICAL, "hybrid": pb.HYBRID}
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+def open_channel(address: str, tls_ca: Optional[Path] = None, tls_cert: Optional[Path] = None,
+                 tls_key: Optional[Path] = None) -> grpc.Channel:
+    """A channel to `address`: TLS when a CA (or a client certificate, for mutual TLS) is given."""
+    if tls_ca or tls_cert:
+        creds = grpc.ssl_channel_credentials(
+            Path(tls_ca).read_bytes() if tls_ca else None,
+            Path(tls_key).read_bytes() if tls_key else None,
+            Path(tls_cert).read_bytes() if tls_cert else None)
+        return grpc.secure_channel(address, creds, CHANNEL_OPTIONS)
+    return grpc.insecure_channel(address, CHANNEL_OPTIONS)
 
 
 def wait_ready(address: str, timeout: float = 60.0) -> None:
@@ -25,29 +53,104 @@ def wait_ready(address: str, timeout: float = 60.0) -> None:
             raise RuntimeError(f"{address} is up but not serving ({resp.status})")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="search-client", description=__doc__)
-    p.add_argument("query")
-    p.add_argument("--address", default="127.0.0.1:50051")
-    p.add_argument("--collection", default="stdlib")
-    p.add_argument("--mode", choices=sorted(MODES), default="hybrid")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--trace", action="store_true")
-    p.add_argument("--wait", type=float, default=0, help="wait this long for the server first")
-    p.add_argument("--timeout", type=float, default=10.0, help="request deadline in seconds")
-    args = p.parse_args(argv)
-    if args.wait:
-        wait_ready(args.address, args.wait)
-    with grpc.insecure_channel(args.address) as ch:
-        stub = pb_grpc.SearchServiceStub(ch)
-        try:
-            resp = stub.Search(pb.SearchRequest(collection=args.collection, text=args.query,
-                                                top_k=args.top_k, mode=MODES[args.mode],
-                                                include_trace=args.trace), timeout=args.timeout)
-        except grpc.RpcError as err:
-            print(f"{err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
-    print(f"{len(resp.hits)} hits from {args.collection} build {resp.build_id} "
+@dataclass
+class BatchResult:
+    """One query's answer within a batch: `code` OK with `response`, or the error for it alone."""
+    code: grpc.StatusCode
+    message: str
+    response: Optional[pb.SearchResponse]
+
+    @property
+    def ok(self) -> bool:
+        return self.code == grpc.StatusCode.OK
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class SearchClient:
+    """A blocking client of the public SearchService (thread-safe, like its channel)."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", token: Optional[str] = None,
+                 tls_ca: Optional[Path] = None, tls_cert: Optional[Path] = None,
+                 tls_key: Optional[Path] = None, timeout: float = 10.0):
+        self.channel = open_channel(address, tls_ca, tls_cert, tls_key)
+        self.stub = pb_grpc.SearchServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.timeout = timeout
+
+    def search(self, text: str = "", *, collection: str, top_k: int = 10, mode: str = "hybrid",
+               vector: Optional[Sequence[float]] = None, model_id: str = "",
+               timeout: Optional[float] = None, **fields) -> pb.SearchResponse:
+        """One query; raises grpc.RpcError with the server's status on failure."""
+        return self.stub.Search(request(text, collection=collection, top_k=top_k, mode=mode,
+                                        vector=vector, model_id=model_id, **fields),
+                                metadata=self.metadata, timeout=timeout or self.timeout)
+
+    def search_batch(self, requests: Iterable[pb.SearchRequest],
+                     timeout: Optional[float] = None) -> Iterator[BatchResult]:
+        """Answers in the order of `requests`, sent MAX_BATCH_QUERIES per call; `timeout` is
+        each call's deadline. A call that fails as a whole raises grpc.RpcError."""
+        chunk: list[pb.SearchRequest] = []
+        for req in requests:
+            chunk.append(req)
+            if len(chunk) == MAX_BATCH_QUERIES:
+                yield from self._batch(chunk, timeout)
+                chunk = []
+        if chunk:
+            yield from self._batch(chunk, timeout)
+
+    def _batch(self, chunk: list[pb.SearchRequest], timeout: Optional[float]) -> list[BatchResult]:
+        resp = self.stub.SearchBatch(pb.SearchBatchRequest(queries=chunk), metadata=self.metadata,
+                                     timeout=timeout or max(self.timeout, 0.05 * len(chunk)))
+        return [BatchResult(_CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.message,
+                            item.response if item.code == 0 else None) for item in resp.results]
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "SearchClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def request(text: str = "", *, collection: str, top_k: int = 10, mode: str = "hybrid",
+            vector: Optional[Sequence[float]] = None, model_id: str = "", **fields) -> pb.SearchRequest:
+    """A SearchRequest from plain values (`mode` by name; `vector` with the model id it came from)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
+    qv = None if vector is None else pb.QueryVector(values=[float(x) for x in vector], model_id=model_id)
+    return pb.SearchRequest(collection=collection, text=text, top_k=top_k, mode=MODES[mode],
+                            vector=qv, **fields)
+
+
+def read_queries(path: Path) -> list[tuple[str, str]]:
+    """(id, text) pairs from a file: JSONL with `text` (or `query`) and optional `_id`/`id` (a BEIR
+    queries.jsonl works as is), or plain text with one query per line. Blank lines are skipped."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("{"):
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+                text = obj.get("text", obj.get("query"))
+                if not isinstance(text, str):
+                    raise ValueError(f"{path}:{n}: a JSON query needs a string `text` field")
+                out.append((str(obj.get("_id", obj.get("id", n))), text))
+            else:
+                out.append((str(n), line))
+    return out
+
+
+def _print_response(resp: pb.SearchResponse, collection: str, trace: bool) -> None:
+    print(f"{len(resp.hits)} hits from {collection} build {resp.build_id} "
           f"(model {resp.model_id}, corpus {resp.corpus_version})")
     for i, h in enumerate(resp.hits, 1):
         kind = pb.ScoreKind.Name(h.score_kind).lower()
@@ -55,11 +158,83 @@ def main(argv=None) -> int:
         print(f"{i:>2}. {h.doc_id}  [{kind} {h.score:.4f}, {ranks}]  chars {h.start_offset}-{h.end_offset}")
         print(textwrap.indent(textwrap.shorten(h.text, 200), "      "))
     print("timings: " + ", ".join(f"{t.stage} {t.ms:.1f} ms" for t in resp.timings))
-    if args.trace:
+    if trace:
         for lst in resp.trace.lists:
             print(f"trace {lst.name}: " + ", ".join(f"{it.doc_id}#{it.rank}" for it in lst.items[:10]))
         for note in resp.trace.notes:
             print(f"note: {note}")
+
+
+def _run_file(client: SearchClient, args) -> int:
+    try:
+        queries = read_queries(args.queries)
+    except (OSError, ValueError) as exc:
+        print(f"search-client: {exc}", file=sys.stderr)
+        return 2
+    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    codes: Counter = Counter()
+    t0 = time.perf_counter()
+    try:
+        reqs = (request(text, collection=args.collection, top_k=args.top_k, mode=args.mode)
+                for _, text in queries)
+        for (qid, _), res in zip(queries, client.search_batch(reqs, args.timeout)):
+            codes[res.code.name] += 1
+            row = {"id": qid, "code": res.code.name}
+            if res.ok:
+                row["hits"] = [{"doc_id": h.doc_id, "chunk_id": h.chunk_id, "score": round(h.score, 6)}
+                               for h in res.response.hits]
+            else:
+                row["message"] = res.message
+            out.write(json.dumps(row) + "\n")
+    except grpc.RpcError as err:
+        print(f"{err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    secs = time.perf_counter() - t0
+    summary = ", ".join(f"{n} {c}" for c, n in codes.most_common())
+    print(f"{len(queries)} queries in {secs:.2f} s ({len(queries) / max(secs, 1e-9):.0f}/s): {summary}",
+          file=sys.stderr)
+    return 0 if codes["OK"] == len(queries) else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="search-client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("query", nargs="?", help="one query (or use --queries)")
+    p.add_argument("--queries", type=Path, metavar="FILE",
+                   help="a file of queries (one per line, or JSONL with `text`), sent as SearchBatch "
+                        "calls; writes one JSON line per query: id, code, hits or message")
+    p.add_argument("--out", type=Path, help="with --queries: write the JSON lines here, not stdout")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--collection", default="stdlib")
+    p.add_argument("--mode", choices=sorted(MODES), default="hybrid")
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--trace", action="store_true")
+    p.add_argument("--token-file", type=Path, help="file holding a bearer token (--auth-tokens servers)")
+    p.add_argument("--tls-ca", type=Path, help="CA certificate: connect with TLS")
+    p.add_argument("--tls-cert", type=Path, help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", type=Path, help="client key (mutual TLS)")
+    p.add_argument("--wait", type=float, default=0, help="wait this long for the server first")
+    p.add_argument("--timeout", type=float, default=10.0, help="request deadline in seconds")
+    args = p.parse_args(argv)
+    if (args.query is None) == (args.queries is None):
+        p.error("give one query or --queries FILE")
+    if args.wait:
+        wait_ready(args.address, args.wait)
+    token = args.token_file.read_text().strip() if args.token_file else None
+    with SearchClient(args.address, token, args.tls_ca, args.tls_cert, args.tls_key,
+                      args.timeout) as client:
+        if args.queries is not None:
+            return _run_file(client, args)
+        try:
+            resp = client.search(args.query, collection=args.collection, top_k=args.top_k,
+                                 mode=args.mode, include_trace=args.trace)
+        except grpc.RpcError as err:
+            print(f"{err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    _print_response(resp, args.collection, args.trace)
     return 0
 
 

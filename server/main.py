@@ -65,14 +65,9 @@ def health(address: str, service: str, timeout: float, tls_ca: Optional[Path] = 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    if tls_ca or tls_cert:
-        creds = grpc.ssl_channel_credentials(
-            tls_ca.read_bytes() if tls_ca else None,
-            tls_key.read_bytes() if tls_key else None,
-            tls_cert.read_bytes() if tls_cert else None)
-        channel = grpc.secure_channel(address, creds)
-    else:
-        channel = grpc.insecure_channel(address)
+    from server.client import open_channel
+
+    channel = open_channel(address, tls_ca, tls_cert, tls_key)
     try:
         with channel as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),

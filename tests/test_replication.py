@@ -73,7 +73,25 @@ def replica_states(admin, digest=True):
     return stats.replicas
 
 
-def wait_converged(admin, deadline_s=30.0):
+PROBES = iter(range(10**6))
+
+
+def wait_converged(cluster, deadline_s=30.0):
+    """Every replica has applied everything acknowledged so far, and the replicas of each shard
+    agree. A fresh write's sequence S is past every earlier acknowledged write; each replica is
+    asked to answer at S (read-your-writes on the shard port: it waits until its subject is
+    applied up to S). Comparing digests alone would also pass for two replicas equally behind."""
+    admin = cluster["admin"]
+    probe = write(cluster["stub"], f"probe-{next(PROBES)}", 1, "zyxprobe convergence marker")
+    build = replica_states(admin, digest=False)[0].build_id
+    md = (("authorization", f"Bearer {TOKEN}"),)
+    for reps in cluster["shards"]:
+        for p in reps:
+            with grpc.insecure_channel(p.address) as ch:
+                resp = spb_grpc.ShardServiceStub(ch).SearchShard(spb.ShardSearchRequest(queries=[
+                    spb.ShardQuery(build_id=build, tenant="default", text="zyxprobe", lexical_depth=1,
+                                   min_applied_seq=probe.sequence)]), metadata=md, timeout=deadline_s)
+            assert resp.results[0].code == 0, resp.results[0].message
     end = time.monotonic() + deadline_s
     while True:
         states = replica_states(admin)
@@ -114,7 +132,7 @@ def test_a_retried_write_is_stored_once(cluster):
 
 
 def test_replicas_that_applied_the_same_log_hold_the_same_rows_and_answer_the_same(cluster):
-    by_shard = wait_converged(cluster["admin"])
+    by_shard = wait_converged(cluster)
     assert set(by_shard) == {0, 1} and all(len(rs) == 2 for rs in by_shard.values())
     assert all(rs[0].applied_sequence > 0 for rs in by_shard.values())
     md = (("authorization", f"Bearer {TOKEN}"),)
@@ -146,7 +164,7 @@ def test_a_replica_that_was_down_catches_up_before_it_serves(cluster):
     reborn = shard_proc(data, 0, 1, nats.url, "--port", str(victim.port),  # same id: same state
                         "--metrics-port", str(metrics_port))
     cluster["shards"][0][1] = reborn
-    by_shard = wait_converged(admin)
+    by_shard = wait_converged(cluster)
     assert by_shard[0][0].applied_sequence >= last.sequence or by_shard[1][0].applied_sequence >= last.sequence
     # the replica exports how far behind the log it is (operators' write-lag panel): caught up, 0
     scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()

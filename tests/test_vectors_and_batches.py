@@ -180,3 +180,63 @@ def test_the_builder_takes_vectors_from_the_command_line(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "model m@1" in out.stdout and "published" in out.stdout
     assert "held-in" in out.stdout  # no held-out queries were given: the audit says so
+
+
+def test_the_client_sends_more_queries_than_one_batch_holds_and_keeps_their_order(vec_server,
+                                                                                 vector_collection):
+    """SearchClient.search_batch splits at the server's cap (1024) and answers in request order,
+    each answer equal to that query's own Search; an invalid query fails in its slot only."""
+    from server.client import SearchClient, request
+
+    srv, stub = vec_server
+    q = vector_collection[3]
+    vectors = [q[i % len(q)] for i in range(1100)]
+    reqs = [request(collection="vec", mode="dense", top_k=5, vector=v, model_id=MODEL) for v in vectors]
+    reqs[1050] = request(collection="vec", mode="dense", top_k=5, vector=vectors[0], model_id="other@1")
+    with SearchClient(srv.address) as client:
+        results = list(client.search_batch(reqs, timeout=60))
+        single = {i: [h.chunk_id for h in client.search(collection="vec", mode="dense", top_k=5,
+                                                        vector=q[i], model_id=MODEL).hits]
+                  for i in range(len(q))}
+    assert len(results) == 1100
+    assert results[1050].code == grpc.StatusCode.INVALID_ARGUMENT and "other@1" in results[1050].message
+    for i, res in enumerate(results):
+        if i != 1050:
+            assert res.ok and [h.chunk_id for h in res.response.hits] == single[i % len(q)], i
+
+
+def test_search_client_answers_a_file_of_queries(server, tmp_path):
+    """`search-client --queries FILE` (plain lines and BEIR-style JSONL) writes one JSON line per
+    query in order; a query the server refuses is reported in its line and the exit code is 1."""
+    plain = tmp_path / "q.txt"
+    plain.write_text("slip flow\n\nboundary layer heat transfer\n")
+    beir = tmp_path / "q.jsonl"
+    beir.write_text(json.dumps({"_id": "a", "text": "supersonic wing"}) + "\n"
+                    + json.dumps({"_id": "b", "text": ""}) + "\n")  # empty text: refused in its slot
+
+    def run(path, *extra):
+        out = tmp_path / f"{path.stem}.out.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "server.client", "--address", server.address,
+                               "--collection", "cran", "--queries", str(path), "--out", str(out),
+                               *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
+        rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+        return proc, rows
+
+    proc, rows = run(plain, "--mode", "lexical")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["id"] for r in rows] == ["1", "3"] and all(r["code"] == "OK" and r["hits"] for r in rows)
+    stub = pb_grpc.SearchServiceStub(grpc.insecure_channel(server.address))
+    direct = stub.Search(pb.SearchRequest(collection="cran", text="slip flow", top_k=5,
+                                          mode=pb.LEXICAL), timeout=10)
+    assert [h["chunk_id"] for h in rows[0]["hits"]] == [h.chunk_id for h in direct.hits]
+    assert "2 queries" in proc.stderr and "2 OK" in proc.stderr
+
+    proc, rows = run(beir)
+    assert proc.returncode == 1
+    assert [(r["id"], r["code"]) for r in rows] == [("a", "OK"), ("b", "INVALID_ARGUMENT")]
+    assert rows[1]["message"]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": 3}\n')
+    proc, _ = run(bad)
+    assert proc.returncode == 2 and "bad.jsonl:1" in proc.stderr
