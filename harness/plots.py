@@ -33,17 +33,27 @@ def _engine_runs(report: dict):
                 yield f"{name} [{variant}]", v["runs"]
 
 
+def _styles(plt):
+    """Distinct colour and marker per line (the default cycle repeats after 10 colours)."""
+    colours = plt.get_cmap("tab20").colors
+    markers = "osD^v<>phX*"
+    i = 0
+    while True:
+        yield {"color": colours[(2 * i) % 20 + (i // 10) % 2], "marker": markers[i % len(markers)]}
+        i += 1
+
+
 def latency_by_concurrency(report: dict, out: Path) -> list[Path]:
     plt = _pyplot()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
-    for label, runs in _engine_runs(report):
+    for (label, runs), style in zip(_engine_runs(report), _styles(plt)):
         concs = sorted(int(c) for c in runs)
         ms = [runs[str(c)] for c in concs]
-        axes[0].plot(concs, [m["qps"] for m in ms], marker="o", label=label)
-        axes[1].plot(concs, [m["p50_ms"] for m in ms], marker="o", label=label)
-        axes[2].plot(concs, [m["p99_ms"] for m in ms], marker="o", label=label)
+        axes[0].plot(concs, [m["qps"] for m in ms], label=label, **style)
+        axes[1].plot(concs, [m["p50_ms"] for m in ms], label=label, **style)
+        axes[2].plot(concs, [m["p99_ms"] for m in ms], label=label, **style)
     for ax, title in zip(axes, ("queries per second", "p50 latency (ms)", "p99 latency (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")
@@ -68,11 +78,13 @@ def recall_vs_qps(report: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     n = report.get("n_queries") or 1
     fig, ax = plt.subplots(figsize=(8, 5.5))
+    styles = _styles(plt)
     for name, rec in report.get("engines", {}).items():
         sweep = [s for s in rec.get("sweep", []) if s.get("sweep_s")]
         if not sweep:
             continue
-        ax.plot([n / s["sweep_s"] for s in sweep], [s["recall"] for s in sweep], marker="o", label=name)
+        ax.plot([n / s["sweep_s"] for s in sweep], [s["recall"] for s in sweep], label=name,
+                **next(styles))
         for s in sweep:
             ax.annotate(str(s["knob"]), (n / s["sweep_s"], s["recall"]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
@@ -111,8 +123,10 @@ def ndcg_by_slice(summary: dict, out: Path, metric: str = "ndcg@10") -> list[Pat
         ax.set_title(name)
         ax.set_ylabel(metric)
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    # one legend under the panels: inside them it covers the bars
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     path = out / f"{metric.replace('@', '_at_')}_by_slice.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -111,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "directory (Flat, packaged MiniLM) and serve them in this process")
     ev.add_argument("--modes", default="dense,lexical,hybrid,hybrid-rrf",
                     help="comma list of dense, lexical, hybrid (with dense feedback, the default), "
-                         "hybrid-rrf (plain RRF), hybrid+rerank")
+                         "hybrid-rrf (plain RRF), hybrid+rerank; the options that are off by "
+                         "default: lexical+rm3, hybrid+rm3, hybrid-rrf+rm3 (lexical feedback, 10 "
+                         "terms), hybrid-dw4, hybrid-dw6 (weighted fusion, dense share 0.4/0.6)")
     ev.add_argument("--compare", default="hybrid:hybrid-rrf",
                     help="comma list of A:B mode pairs compared per query (randomization test and "
                          "paired t-test on nDCG@10)")

@@ -118,9 +118,16 @@ def paired_tests(a: Sequence[float], b: Sequence[float], iterations: int = 10_00
 
 
 # Evaluation modes: the request each sends (hybrid-rrf is plain RRF, without dense feedback).
+# The +rm3 and -dwN modes measure the request options that are off by default (lexical feedback
+# with 10 terms; weighted fusion with the dense list's share N/10).
 MODES = {"dense": {"mode": "DENSE"}, "lexical": {"mode": "LEXICAL"}, "hybrid": {"mode": "HYBRID"},
          "hybrid-rrf": {"mode": "HYBRID", "feedback_docs": 0},
-         "hybrid+rerank": {"mode": "HYBRID", "rerank": True}}
+         "hybrid+rerank": {"mode": "HYBRID", "rerank": True},
+         "lexical+rm3": {"mode": "LEXICAL", "lexical_feedback_terms": 10},
+         "hybrid+rm3": {"mode": "HYBRID", "lexical_feedback_terms": 10},
+         "hybrid-rrf+rm3": {"mode": "HYBRID", "feedback_docs": 0, "lexical_feedback_terms": 10},
+         "hybrid-dw4": {"mode": "HYBRID", "dense_weight": 0.4},
+         "hybrid-dw6": {"mode": "HYBRID", "dense_weight": 0.6}}
 
 
 def _datasets(specs: Sequence[str]) -> list[tuple[Path, str]]:
@@ -221,8 +228,9 @@ def _evaluate(stub, pb, path: Path, collection: str, modes, compare, top_k: int,
                                        mode=getattr(pb, spec["mode"]), dense_depth=top_k,
                                        lexical_depth=top_k,
                                        rerank_depth=args.rerank_depth if spec.get("rerank") else 0)
-                if "feedback_docs" in spec:
-                    req.feedback_docs = spec["feedback_docs"]
+                for option in ("feedback_docs", "lexical_feedback_terms", "dense_weight"):
+                    if option in spec:
+                        setattr(req, option, spec[option])
                 reqs.append(req)
             resp = stub.SearchBatch(pb.SearchBatchRequest(queries=reqs), timeout=600)
             for qid, item in zip(batch, resp.results):

@@ -99,6 +99,12 @@ class PipelineConfig:
                                       "vector before a second dense search (0 = off; a request "
                                       "may set its own)")
     dense_feedback_weight: float = opt(0.6, "weight of those hits' mean against the query vector")
+    lexical_feedback_terms: int = opt(0, "lexical and hybrid queries: terms of the first feedback "
+                                         "hits added to the BM25 query (RM3) before a second "
+                                         "lexical search (0 = off: it did not win on both "
+                                         "development collections, docs/BENCHMARKS.md)")
+    lexical_feedback_weight: float = opt(0.5, "boost of the strongest expansion term (a query "
+                                              "term weighs 1)")
 
 
 @dataclass

@@ -28,6 +28,11 @@ def hybrid_server(tmp_path_factory, tiny_embedder, tiny_reranker_dir):
                                        "lang": "en" if i % 2 else "de"}))
     docs.append(Document("ident", "Specification NACA-TN-4711 describes the zeta-omega procedure.",
                          title="specification", metadata={"product": "alpha", "lang": "en"}))
+    # lexical feedback: only the first names the query's word; the second shares its other words
+    docs.append(Document("fb1", "The quokka census counted marsupials across the island.",
+                         title="census"))
+    docs.append(Document("fb2", "Marsupials across the island were counted again at night.",
+                         title="recount"))
     data = tmp_path_factory.mktemp("hybrid")
     publish_build(data, "h", docs, tiny_embedder, "HNSW16,Flat", shards=3)
     reranker = CrossEncoder(tiny_reranker_dir, Device("cpu"))
@@ -113,3 +118,36 @@ def test_selective_metadata_filters_restrict_before_ranking_and_fill_the_page(st
     for h in resp.hits:
         assert h.metadata["product"] == "beta" and h.metadata["lang"] == "de"
         assert int(h.doc_id[3:]) % 6 == 0
+
+
+def test_weighted_fusion_scores_each_list_by_its_share(stub):
+    resp = search(stub, text="shock wave measurements", mode=pb.HYBRID, rrf_k=60, dense_weight=0.7)
+    for i, h in enumerate(resp.hits, start=1):
+        assert h.fused.rank == i
+        expected = (1.4 / (60 + h.dense.rank) if h.dense.rank else 0) + \
+                   (0.6 / (60 + h.lexical.rank) if h.lexical.rank else 0)
+        assert h.score == pytest.approx(expected, rel=1e-5)
+
+
+def test_lexical_feedback_expands_the_bm25_query_with_terms_of_the_first_hits(stub):
+    plain = search(stub, text="quokka", mode=pb.LEXICAL)
+    assert [h.doc_id for h in plain.hits] == ["fb1"]
+    fed = search(stub, text="quokka", mode=pb.LEXICAL, lexical_feedback_terms=5, feedback_docs=1,
+                 include_trace=True)
+    assert [h.doc_id for h in fed.hits][:2] == ["fb1", "fb2"]
+    note = [n for n in fed.trace.notes if n.startswith("lexical feedback from the first 1 hits")]
+    assert note and "marsupi" in note[0] and "quokka" not in note[0].split(":", 1)[1]
+    hyb = search(stub, text="quokka", mode=pb.HYBRID, lexical_feedback_terms=5, feedback_docs=1)
+    assert "fb2" in [h.doc_id for h in hyb.hits if h.lexical.rank]
+    off = search(stub, text="quokka", mode=pb.LEXICAL, lexical_feedback_terms=0, include_trace=True)
+    assert [h.doc_id for h in off.hits] == ["fb1"]
+    assert not any(n.startswith("lexical feedback") for n in off.trace.notes)
+
+
+@pytest.mark.parametrize("field,value", [("dense_weight", 1.0), ("dense_weight", 0.0),
+                                         ("feedback_weight", 1.5), ("feedback_docs", 101),
+                                         ("lexical_feedback_terms", 65)])
+def test_feedback_and_fusion_options_out_of_range_are_refused(stub, field, value):
+    with pytest.raises(grpc.RpcError) as err:
+        search(stub, text="shock wave", mode=pb.HYBRID, **{field: value})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()

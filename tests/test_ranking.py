@@ -2,7 +2,7 @@
 import pytest
 
 from server.backends.docstore import ChunkRecord
-from server.core.ranking import merge_topk, rrf
+from server.core.ranking import merge_topk, rm3_expansion, rrf
 from server.core.types import Candidate
 
 
@@ -41,3 +41,26 @@ def test_rrf_k_changes_the_weight_of_top_ranks():
     assert rrf(lists, k=60)[0][0] == 2
     with pytest.raises(ValueError):
         rrf(lists, k=0)
+
+
+def test_weighted_rrf_scales_each_list():
+    fused = dict(rrf({"dense": [1, 2], "lexical": [2, 3]}, k=10, weights={"dense": 1.5, "lexical": 0.5}))
+    assert fused[1] == pytest.approx(1.5 / 11)
+    assert fused[2] == pytest.approx(1.5 / 12 + 0.5 / 11)
+    assert fused[3] == pytest.approx(0.5 / 12)
+    assert rrf({"a": [1], "b": [2]}, weights={"a": 1.0, "b": 1.0}) == rrf({"a": [1], "b": [2]})
+
+
+def test_rm3_expansion_takes_the_feedback_texts_most_likely_new_terms():
+    texts = ["Marsupials on the island: a quokka survey of marsupials", "island marsupials at night"]
+    got = rm3_expansion("quokka survey", texts, [2.0, 1.0], 3, 0.5)
+    terms = [t for t, _ in got]
+    assert terms[:2] == ["marsupi", "island"]            # analysed (stemmed) as the index holds them
+    assert "quokka" not in terms and "survey" not in terms  # the query's own terms are not added
+    assert got[0][1] == pytest.approx(0.5) and all(a[1] >= b[1] for a, b in zip(got, got[1:]))
+    assert len(got) == 3
+    # a text weighted more pulls its terms up: "night" only appears in the second text
+    heavy_second = dict(rm3_expansion("quokka survey", texts, [0.1, 5.0], 5, 0.5))
+    light_second = dict(rm3_expansion("quokka survey", texts, [5.0, 0.1], 5, 0.5))
+    assert heavy_second.get("night", 0) > light_second.get("night", 0)
+    assert rm3_expansion("quokka", texts, [1.0, 1.0], 0, 0.5) == ()

@@ -201,8 +201,15 @@ def test_the_shard_port_enforces_the_api_limits_itself(cluster):
         huge = spb.ShardQuery(build_id=build, tenant="default", text="flow", lexical_depth=2 ** 32 - 1)
         many = spb.ShardQuery(build_id=build, tenant="default", text="flow", lexical_depth=10,
                               filters=[spb.ShardFilter(key=f"k{i}", any_of=["v"]) for i in range(5000)])
-        resp = stub.SearchShard(spb.ShardSearchRequest(queries=[huge, many]), metadata=md, timeout=10)
-        assert [r.code for r in resp.results] == [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 2
+        nan_term = spb.ShardQuery(build_id=build, tenant="default", text="flow", lexical_depth=10,
+                                  expansion=[spb.WeightedTerm(term="plate", weight=float("nan"))])
+        terms = spb.ShardQuery(build_id=build, tenant="default", text="flow", lexical_depth=10,
+                               expansion=[spb.WeightedTerm(term=f"t{i}", weight=1) for i in range(65)])
+        ok = spb.ShardQuery(build_id=build, tenant="default", text="flow", lexical_depth=10,
+                            expansion=[spb.WeightedTerm(term="plate", weight=0.5)])
+        resp = stub.SearchShard(spb.ShardSearchRequest(queries=[huge, many, nan_term, terms, ok]),
+                                metadata=md, timeout=10)
+        assert [r.code for r in resp.results] == [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 4 + [0]
         with pytest.raises(grpc.RpcError) as err:
             stub.FetchChunks(spb.FetchChunksRequest(build_id=build, tenant="default", rows=[2 ** 63]),
                              metadata=md, timeout=10)

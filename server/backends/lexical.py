@@ -16,6 +16,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -34,6 +35,18 @@ def make_analyzer() -> "tantivy.TextAnalyzer":
             .filter(tantivy.Filter.stopword("english"))
             .filter(tantivy.Filter.stemmer("english"))
             .build())
+
+
+_local = threading.local()
+
+
+def analyze(text: str) -> list[str]:
+    """The index's analysis of `text` (terms as the index holds them), with one analyzer per
+    thread."""
+    analyzer = getattr(_local, "analyzer", None)
+    if analyzer is None:
+        analyzer = _local.analyzer = make_analyzer()
+    return analyzer.analyze(text)
 
 
 def make_schema() -> "tantivy.Schema":
@@ -198,20 +211,24 @@ class LexicalIndex:
     def search(self, text: str, k: int, tenant: Optional[str] = None,
                equal_filters: Sequence[tuple[str, Sequence[str]]] = (),
                acl_scopes: Optional[Sequence[str]] = None,
-               rows: Optional[Sequence[int]] = None) -> tuple[list[float], list[int]]:
+               rows: Optional[Sequence[int]] = None,
+               expansion: Sequence[tuple[str, float]] = ()) -> tuple[list[float], list[int]]:
         """BM25 top-k (scores, rows), best first, restricted inside the query to the tenant, the
-        ACL scopes (None: no ACL check), metadata equality filters and, if given, a row set."""
+        ACL scopes (None: no ACL check), metadata equality filters and, if given, a row set.
+        `expansion`: analysed terms with boosts added to the query (lexical feedback)."""
         terms = self.query_terms(text)
         if not terms or k <= 0:
             return [], []
         Q, Occur = tantivy.Query, tantivy.Occur
         should = []
-        for t, n in terms.items():
+        weighted = [(t, 1.0 + math.log(n)) for t, n in terms.items()]
+        weighted += [(t, float(w)) for t, w in expansion if t not in terms]
+        for t, w in weighted:
             # a term the query repeats weighs more, sublinearly (1 + ln n), as BM25 over the
             # query's own term frequency would; deduplicating lost it on long queries
             for field in ("text", "title"):
                 q = Q.term_query(self.schema, field, t)
-                should.append((Occur.Should, Q.boost_query(q, 1.0 + math.log(n)) if n > 1 else q))
+                should.append((Occur.Should, Q.boost_query(q, w) if w != 1.0 else q))
         clauses = [(Occur.Must, Q.boolean_query(should))]
         if tenant is not None:
             clauses.append((Occur.Must, Q.term_query(self.schema, "tenant", tenant)))

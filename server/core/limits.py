@@ -26,3 +26,7 @@ MAX_TITLE_CHARS = 1_000
 MAX_METADATA_ENTRIES = 64
 MAX_METADATA_VALUE_CHARS = 1_024
 MAX_ACL_SCOPES = 64
+MAX_FEEDBACK_DOCS = 100               # hits fed back (dense and lexical feedback)
+MAX_EXPANSION_TERMS = 64              # lexical feedback terms per query (and per shard query)
+MAX_TERM_CHARS = 64                   # one analysed expansion term
+MAX_TERM_WEIGHT = 10.0                # an expansion term's boost

@@ -18,7 +18,7 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -27,7 +27,7 @@ from server.config import PipelineConfig
 from server.core import metrics
 from server.core.assembly import ContextAssembler
 from server.core.encoders import Encoders
-from server.core.ranking import merge_topk, rrf
+from server.core.ranking import merge_topk, rm3_expansion, rrf
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import (Candidate, FetchRequest, RankedHit, SearchQuery, SearchResult,
                                ShardQuery, ShardResult, TraceEntry)
@@ -105,6 +105,11 @@ class QueryPipeline:
         if feedback:
             await self._dense_feedback(feedback, tenant, acl_scopes, deadline)
             t = self._lap(feedback, "feedback", t)
+        expand = [st for st in states if st.live and st.mode in ("hybrid", "lexical")
+                  and self._expansion_n(st)]
+        if expand:
+            await self._lexical_feedback(expand, deadline)
+            t = self._lap(expand, "lexical_feedback", t)
         await asyncio.gather(*(self._finish(st, tenant, acl_scopes, deadline)
                                for st in states if st.live), return_exceptions=False)
         total = (time.perf_counter() - t_start) * 1e3
@@ -160,7 +165,7 @@ class QueryPipeline:
         return (st.coll.desc.build_id, versions, " ".join(q.text.split()), vec, st.mode, tenant,
                 acl_scopes, q.filters, q.top_k, q.dense_depth, q.lexical_depth, q.rrf_k,
                 q.rerank_depth, q.context_token_budget, q.allow_partial, q.feedback_docs,
-                q.feedback_weight)
+                q.feedback_weight, q.lexical_feedback_terms, q.dense_weight)
 
     async def _embed(self, st: _Query, deadline: Optional[float]) -> None:
         try:
@@ -199,18 +204,13 @@ class QueryPipeline:
                                for group in by_coll.values()))
 
     async def _fan_out(self, coll: LoadedCollection, group: list[_Query], deadline: Optional[float],
-                       vectors: Optional[list] = None) -> list[list]:
+                       feedback: Optional[list[ShardQuery]] = None) -> list[list]:
         """Ask every shard for every query of `group`; returns [query][shard] answers (a result
-        or an error) and, unless `vectors` (the feedback round) is given, settles each query's
-        shard results and errors."""
+        or an error) and, unless `feedback` (a feedback round's own shard queries) is given,
+        settles each query's shard results and errors."""
         loop = asyncio.get_running_loop()
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
-        if vectors is None:
-            sqs = [st.sq for st in group]
-        else:
-            sqs = [ShardQuery(st.sq.build_id, st.sq.tenant, v, st.sq.model_id, "", st.sq.dense_depth,
-                              0, st.sq.filters, st.sq.acl_scopes, st.sq.text_top_n,
-                              st.sq.min_applied_seq) for st, v in zip(group, vectors)]
+        sqs = [st.sq for st in group] if feedback is None else feedback
         calls = await asyncio.gather(*(s.search(sqs, timeout) for s in coll.shards),
                                      return_exceptions=True)
         per_query: list[list] = [[] for _ in group]
@@ -222,7 +222,7 @@ class QueryPipeline:
             else:
                 for lst, a in zip(per_query, answer):
                     lst.append(a)
-        if vectors is None:
+        if feedback is None:
             for st, answers in zip(group, per_query):
                 self._settle(st, answers)
         return per_query
@@ -273,8 +273,14 @@ class QueryPipeline:
         st.dense = merge_topk((r.dense for r in results), sq.dense_depth) if sq.vector is not None else []
         st.lexical = merge_topk((r.lexical for r in results), sq.lexical_depth) if sq.text else []
         if st.mode == "hybrid":
-            st.fused = rrf({"dense": [c.chunk_id for c in st.dense],
-                            "lexical": [c.chunk_id for c in st.lexical]}, self._rrf_k(st))
+            st.fused = self._rrf(st)
+
+    def _rrf(self, st: _Query) -> list[tuple[int, float]]:
+        """RRF of the current lists, weighted when the request names a dense_weight (0.5 = plain)."""
+        w = st.q.dense_weight
+        weights = None if w is None else {"dense": 2.0 * w, "lexical": 2.0 * (1.0 - w)}
+        return rrf({"dense": [c.chunk_id for c in st.dense],
+                    "lexical": [c.chunk_id for c in st.lexical]}, self._rrf_k(st), weights)
 
     def _rrf_k(self, st: _Query) -> int:
         return st.q.rrf_k or self.config.default_rrf_k
@@ -310,7 +316,7 @@ class QueryPipeline:
             return np.mean(vecs, axis=0) if vecs else None
 
         means = await asyncio.gather(*(vectors_of(st, w) for st, w in zip(states, wants)))
-        todo, vectors = [], []
+        todo, sqs = [], []
         for st, mean in zip(states, means):
             if mean is None:
                 continue
@@ -318,22 +324,73 @@ class QueryPipeline:
             v = (1.0 - b) * st.sq.vector + b * mean.astype(np.float32)
             v /= max(float(np.linalg.norm(v)), 1e-12)
             todo.append(st)
-            vectors.append(v.astype(np.float32))
+            sqs.append(replace(st.sq, vector=v.astype(np.float32), text="", lexical_depth=0))
+
+        def settle(st: _Query, ok: list[ShardResult]) -> None:
+            st.dense = merge_topk((r.dense for r in ok), st.sq.dense_depth)
+            st.fused = self._rrf(st)
+            st.notes.append(f"dense feedback from the first {self._feedback_k(st)} fused hits")
+
+        await self._second_round(todo, sqs, deadline, "dense feedback", settle)
+
+    async def _second_round(self, todo: list[_Query], sqs: list[ShardQuery],
+                            deadline: Optional[float], what: str, settle) -> None:
+        """A feedback round: ask the shards `sqs` (one per query of `todo`, grouped by
+        collection); `settle(query, results)` takes a query's answers when every shard gave one."""
         by_coll: dict[str, list[int]] = {}
         for i, st in enumerate(todo):
             by_coll.setdefault(st.coll.name, []).append(i)
         for idx in by_coll.values():
             group = [todo[i] for i in idx]
-            answers = await self._fan_out(group[0].coll, group, deadline, [vectors[i] for i in idx])
+            answers = await self._fan_out(group[0].coll, group, deadline, [sqs[i] for i in idx])
             for st, ans in zip(group, answers):
                 ok = [a for a in ans if isinstance(a, ShardResult)]
                 if len(ok) < len(ans):
-                    st.notes.append("dense feedback skipped: a shard failed its second search")
+                    st.notes.append(f"{what} skipped: a shard failed its second search")
                     continue
-                st.dense = merge_topk((r.dense for r in ok), st.sq.dense_depth)
-                st.fused = rrf({"dense": [c.chunk_id for c in st.dense],
-                                "lexical": [c.chunk_id for c in st.lexical]}, self._rrf_k(st))
-                st.notes.append(f"dense feedback from the first {self._feedback_k(st)} fused hits")
+                settle(st, ok)
+
+    def _expansion_n(self, st: _Query) -> int:
+        n = st.q.lexical_feedback_terms
+        return self.config.lexical_feedback_terms if n is None else n
+
+    async def _lexical_feedback(self, states: list[_Query], deadline: Optional[float]) -> None:
+        """Pseudo-relevance feedback on the lexical side (RM3): terms weighted by their share of
+        the first feedback hits' text (each hit weighted by its fused, or BM25, score) are added
+        to the BM25 query with boosts up to `lexical_feedback_weight` (a query term weighs 1);
+        the lexical list is searched again and fused again with the dense one. Off by default:
+        measured on both development collections in docs/BENCHMARKS.md."""
+        loop = asyncio.get_running_loop()
+        todo, sqs, picked = [], [], []
+        for st in states:
+            ranked = st.fused if st.mode == "hybrid" else [(c.chunk_id, c.score) for c in st.lexical]
+            by_id = {c.chunk_id: c for c in st.dense + st.lexical}
+            k = st.q.feedback_docs or self.config.dense_feedback_docs or 5
+            docs = [(by_id[cid], score) for cid, score in ranked[:k]
+                    if cid in by_id and by_id[cid].record.text]
+            if not docs:
+                continue
+            expansion = await loop.run_in_executor(
+                self.cpu, rm3_expansion, st.q.text,
+                [f"{c.record.title or ''} {c.record.text}" for c, _ in docs],
+                [max(float(s), 0.0) for _, s in docs], self._expansion_n(st),
+                self.config.lexical_feedback_weight)
+            if not expansion:
+                continue
+            todo.append(st)
+            picked.append((len(docs), expansion))
+            sqs.append(replace(st.sq, vector=None, dense_depth=0, expansion=expansion))
+        notes = {id(st): p for st, p in zip(todo, picked)}
+
+        def settle(st: _Query, ok: list[ShardResult]) -> None:
+            st.lexical = merge_topk((r.lexical for r in ok), st.sq.lexical_depth)
+            if st.mode == "hybrid":
+                st.fused = self._rrf(st)
+            n, expansion = notes[id(st)]
+            st.notes.append(f"lexical feedback from the first {n} hits: "
+                            + ", ".join(f"{t} {w:.2f}" for t, w in expansion))
+
+        await self._second_round(todo, sqs, deadline, "lexical feedback", settle)
 
     async def _finish(self, st: _Query, tenant: str, acl_scopes: tuple,
                       deadline: Optional[float]) -> None:

@@ -5,7 +5,7 @@ No devices, sockets or I/O: unit-tested directly (tests/test_ranking.py).
 from __future__ import annotations
 
 import heapq
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from server.core.types import Candidate
 
@@ -30,15 +30,46 @@ def merge_topk(per_shard: Iterable[Sequence[Candidate]], k: int) -> list[Candida
     return out
 
 
-def rrf(ranked_lists: dict[str, Sequence[int]], k: int = 60) -> list[tuple[int, float]]:
-    """Reciprocal rank fusion: score(d) = sum over lists of 1 / (k + rank(d)), rank 1-based.
+def rrf(ranked_lists: dict[str, Sequence[int]], k: int = 60,
+        weights: Optional[dict[str, float]] = None) -> list[tuple[int, float]]:
+    """Reciprocal rank fusion: score(d) = sum over lists of w_list / (k + rank(d)), rank 1-based,
+    w = 1 unless `weights` names the list (weighted RRF).
 
     Returns (chunk_id, fused score) best first; ties break on chunk id.
     """
     if k <= 0:
         raise ValueError("rrf k must be positive")
     scores: dict[int, float] = {}
-    for ids in ranked_lists.values():
+    for name, ids in ranked_lists.items():
+        w = 1.0 if weights is None else weights.get(name, 1.0)
         for rank, cid in enumerate(ids, start=1):
-            scores[cid] = scores.get(cid, 0.0) + 1.0 / (k + rank)
+            scores[cid] = scores.get(cid, 0.0) + w / (k + rank)
     return sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def rm3_expansion(query: str, texts: Sequence[str], weights: Sequence[float], n_terms: int,
+                  top_weight: float) -> tuple[tuple[str, float], ...]:
+    """RM3's relevance model over feedback texts: P(t|R) = sum_d w_d * tf(t, d) / |d| with w_d
+    the hits' scores normalised to sum 1; the `n_terms` most likely analysed terms that are not
+    already in the query (nor single characters), boosted proportionally, the first at
+    `top_weight`. Runs the index's analyzer: call it off the event loop."""
+    from server.backends.lexical import analyze
+
+    if n_terms <= 0 or not texts:
+        return ()
+    in_query = set(analyze(query))
+    total = sum(weights) or float(len(texts))
+    rel: dict[str, float] = {}
+    for text, w in zip(texts, weights):
+        terms = analyze(text)
+        if not terms:
+            continue
+        share = (w if sum(weights) else 1.0) / total / len(terms)
+        for t in terms:
+            if len(t) > 1 and t not in in_query:
+                rel[t] = rel.get(t, 0.0) + share
+    top = sorted(rel.items(), key=lambda kv: (-kv[1], kv[0]))[:n_terms]
+    if not top:
+        return ()
+    best = top[0][1]
+    return tuple((t, top_weight * p / best) for t, p in top)

@@ -40,6 +40,8 @@ class SearchQuery:
     min_applied_sequence: int = 0   # read-your-writes: the WriteResponse.sequence to see
     feedback_docs: Optional[int] = None     # hybrid dense feedback: fused hits fed back (None: default)
     feedback_weight: Optional[float] = None  # their weight against the query's (None: default)
+    lexical_feedback_terms: Optional[int] = None  # RM3 expansion terms (None: default, 0: off)
+    dense_weight: Optional[float] = None     # weighted RRF: the dense list's share (None: 0.5)
 
 
 @dataclass
@@ -72,6 +74,7 @@ class ShardQuery:
     acl_scopes: tuple[str, ...] = ()   # the caller's ACL scopes (PUBLIC_ACL is always added)
     text_top_n: int = 0                # ship text for the first N hits of each list (0 = all)
     min_applied_seq: int = 0           # read-your-writes: answer only once this log position is applied
+    expansion: tuple[tuple[str, float], ...] = ()  # lexical feedback: (analysed term, boost)
 
     @property
     def restriction(self) -> tuple:

@@ -68,6 +68,14 @@ def validate_query(q: SearchQuery, desc: ReleaseDescriptor, rerank_cap: int) -> 
         raise InvalidArgument(f"context_token_budget exceeds the cap {limits.MAX_CONTEXT_TOKENS}")
     if q.min_applied_sequence > limits.MAX_SEQUENCE:
         raise InvalidArgument(f"min_applied_sequence exceeds {limits.MAX_SEQUENCE}")
+    if q.feedback_docs is not None and q.feedback_docs > limits.MAX_FEEDBACK_DOCS:
+        raise InvalidArgument(f"feedback_docs exceeds the cap {limits.MAX_FEEDBACK_DOCS}")
+    if q.feedback_weight is not None and not 0.0 <= q.feedback_weight <= 1.0:
+        raise InvalidArgument("feedback_weight must be between 0 and 1")
+    if q.lexical_feedback_terms is not None and q.lexical_feedback_terms > limits.MAX_EXPANSION_TERMS:
+        raise InvalidArgument(f"lexical_feedback_terms exceeds the cap {limits.MAX_EXPANSION_TERMS}")
+    if q.dense_weight is not None and not 0.0 < q.dense_weight < 1.0:
+        raise InvalidArgument("dense_weight must be strictly between 0 and 1")
     check_filters(q.filters)
     needs_text = mode in ("lexical", "hybrid") or (mode == "dense" and q.vector is None)
     if needs_text and not q.text.strip():
@@ -102,6 +110,14 @@ def validate_shard_query(q: ShardQuery, dim: int) -> None:
             raise InvalidArgument("query vector contains NaN or infinite values")
     if not 0 <= q.min_applied_seq <= limits.MAX_SEQUENCE:
         raise InvalidArgument(f"min_applied_seq is outside 0..{limits.MAX_SEQUENCE}")
+    if len(q.expansion) > limits.MAX_EXPANSION_TERMS:
+        raise InvalidArgument(f"{len(q.expansion)} expansion terms; the cap is "
+                              f"{limits.MAX_EXPANSION_TERMS}")
+    for term, weight in q.expansion:
+        if not term or len(term) > limits.MAX_TERM_CHARS:
+            raise InvalidArgument(f"expansion terms have 1..{limits.MAX_TERM_CHARS} characters")
+        if not 0.0 < weight <= limits.MAX_TERM_WEIGHT:  # also refuses NaN
+            raise InvalidArgument(f"expansion term weights are in (0, {limits.MAX_TERM_WEIGHT}]")
 
 
 def validate_fetch(req: FetchRequest) -> None:

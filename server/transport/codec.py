@@ -52,7 +52,10 @@ def query_from_pb(req: pb.SearchRequest) -> SearchQuery:
         context_token_budget=req.context_token_budget, allow_partial=req.allow_partial,
         min_applied_sequence=req.min_applied_sequence,
         feedback_docs=req.feedback_docs if req.HasField("feedback_docs") else None,
-        feedback_weight=req.feedback_weight if req.HasField("feedback_weight") else None)
+        feedback_weight=req.feedback_weight if req.HasField("feedback_weight") else None,
+        lexical_feedback_terms=(req.lexical_feedback_terms if req.HasField("lexical_feedback_terms")
+                                else None),
+        dense_weight=req.dense_weight if req.HasField("dense_weight") else None)
 
 
 def _retriever(pair, kind) -> Optional[pb.RetrieverScore]:
@@ -111,6 +114,7 @@ def shard_query_to_pb(q: ShardQuery) -> spb.ShardQuery:
         vector=q.vector.astype("<f4").tobytes() if q.vector is not None else b"",
         dense_depth=q.dense_depth, lexical_depth=q.lexical_depth, acl_scopes=list(q.acl_scopes),
         text_top_n=q.text_top_n, min_applied_seq=q.min_applied_seq,
+        expansion=[spb.WeightedTerm(term=t, weight=w) for t, w in q.expansion],
         filters=[spb.ShardFilter(key=f.key, any_of=list(f.any_of), gte=f.gte or "", lte=f.lte or "")
                  for f in q.filters])
 
@@ -119,7 +123,8 @@ def shard_query_from_pb(r: spb.ShardQuery) -> ShardQuery:
     return ShardQuery(r.build_id, r.tenant, _f32(r.vector, "the query vector"), r.model_id, r.text,
                       r.dense_depth, r.lexical_depth,
                       tuple(Filter(f.key, tuple(f.any_of), f.gte or None, f.lte or None)
-                            for f in r.filters), tuple(r.acl_scopes), r.text_top_n, r.min_applied_seq)
+                            for f in r.filters), tuple(r.acl_scopes), r.text_top_n, r.min_applied_seq,
+                      tuple((e.term, e.weight) for e in r.expansion))
 
 
 def hit_to_pb(c: Candidate, with_text: bool = True) -> spb.ShardHit:

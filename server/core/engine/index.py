@@ -327,7 +327,8 @@ class ShardIndex:
 
                 def bm25(i):
                     q = queries[i]
-                    s, r = self.lexical.search(q.text, q.lexical_depth, q.tenant, equal, scopes, rows)
+                    s, r = self.lexical.search(q.text, q.lexical_depth, q.tenant, equal, scopes, rows,
+                                               q.expansion)
                     # equal scores in chunk-id order, not in the order of segments (which differ
                     # between replicas that applied the same writes in other groups)
                     return sorted(zip(r, s), key=lambda h: (-h[1], int(row_ids[h[0]])))
