@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of dense, lexical, hybrid (with dense feedback, the default), "
                          "hybrid-rrf (plain RRF), hybrid+rerank; the options that are off by "
                          "default: lexical+rm3, hybrid+rm3, hybrid-rrf+rm3 (lexical feedback, 10 "
-                         "terms), hybrid-dw4, hybrid-dw6 (weighted fusion, dense share 0.4/0.6)")
+                         "terms), hybrid-dw4, hybrid-dw6 (weighted fusion, dense share 0.4/0.6), "
+                         "hybrid-minmax (min-max score fusion), hybrid-deeplong (3x the "
+                         "candidate depth for queries over 20 words)")
     ev.add_argument("--compare", default="hybrid:hybrid-rrf",
                     help="comma list of A:B mode pairs compared per query (randomization test and "
                          "paired t-test on nDCG@10)")

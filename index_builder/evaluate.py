@@ -118,8 +118,9 @@ def paired_tests(a: Sequence[float], b: Sequence[float], iterations: int = 10_00
 
 
 # Evaluation modes: the request each sends (hybrid-rrf is plain RRF, without dense feedback).
-# The +rm3 and -dwN modes measure the request options that are off by default (lexical feedback
-# with 10 terms; weighted fusion with the dense list's share N/10).
+# The +rm3, -dwN, -minmax and -deeplong modes measure choices that are off by default: lexical
+# feedback with 10 terms; weighted fusion with the dense list's share N/10; min-max score fusion;
+# 3x the candidate depth for long queries (> 20 words).
 MODES = {"dense": {"mode": "DENSE"}, "lexical": {"mode": "LEXICAL"}, "hybrid": {"mode": "HYBRID"},
          "hybrid-rrf": {"mode": "HYBRID", "feedback_docs": 0},
          "hybrid+rerank": {"mode": "HYBRID", "rerank": True},
@@ -127,7 +128,9 @@ MODES = {"dense": {"mode": "DENSE"}, "lexical": {"mode": "LEXICAL"}, "hybrid": {
          "hybrid+rm3": {"mode": "HYBRID", "lexical_feedback_terms": 10},
          "hybrid-rrf+rm3": {"mode": "HYBRID", "feedback_docs": 0, "lexical_feedback_terms": 10},
          "hybrid-dw4": {"mode": "HYBRID", "dense_weight": 0.4},
-         "hybrid-dw6": {"mode": "HYBRID", "dense_weight": 0.6}}
+         "hybrid-dw6": {"mode": "HYBRID", "dense_weight": 0.6},
+         "hybrid-minmax": {"mode": "HYBRID", "fusion": "FUSION_MIN_MAX"},
+         "hybrid-deeplong": {"mode": "HYBRID", "long_query_depth": 3}}
 
 
 def _datasets(specs: Sequence[str]) -> list[tuple[Path, str]]:
@@ -231,6 +234,10 @@ def _evaluate(stub, pb, path: Path, collection: str, modes, compare, top_k: int,
                 for option in ("feedback_docs", "lexical_feedback_terms", "dense_weight"):
                     if option in spec:
                         setattr(req, option, spec[option])
+                if "fusion" in spec:
+                    req.fusion = getattr(pb, spec["fusion"])
+                if "long_query_depth" in spec and len(queries[qid].split()) > 20:
+                    req.dense_depth = req.lexical_depth = spec["long_query_depth"] * top_k
                 reqs.append(req)
             resp = stub.SearchBatch(pb.SearchBatchRequest(queries=reqs), timeout=600)
             for qid, item in zip(batch, resp.results):

@@ -25,27 +25,31 @@ from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
 MODES = {"dense": pb.DENSE, "lexical": pb.LEXICAL, "hybrid": pb.HYBRID}
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+# servers send answers of up to 64 MiB (a SearchBatch of 1,024 queries with deep pages); a batch
+# whose answer is larger still is split in two and retried (SearchClient.search_batch)
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
 
 
 def open_channel(address: str, tls_ca: Optional[Path] = None, tls_cert: Optional[Path] = None,
-                 tls_key: Optional[Path] = None) -> grpc.Channel:
+                 tls_key: Optional[Path] = None, max_answer_bytes: int = MAX_ANSWER_BYTES) -> grpc.Channel:
     """A channel to `address`: TLS when a CA (or a client certificate, for mutual TLS) is given."""
+    options = [("grpc.max_receive_message_length", max_answer_bytes),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
     if tls_ca or tls_cert:
         creds = grpc.ssl_channel_credentials(
             Path(tls_ca).read_bytes() if tls_ca else None,
             Path(tls_key).read_bytes() if tls_key else None,
             Path(tls_cert).read_bytes() if tls_cert else None)
-        return grpc.secure_channel(address, creds, CHANNEL_OPTIONS)
-    return grpc.insecure_channel(address, CHANNEL_OPTIONS)
+        return grpc.secure_channel(address, creds, options)
+    return grpc.insecure_channel(address, options)
 
 
-def wait_ready(address: str, timeout: float = 60.0) -> None:
+def wait_ready(address: str, timeout: float = 60.0, tls_ca: Optional[Path] = None,
+               tls_cert: Optional[Path] = None, tls_key: Optional[Path] = None) -> None:
     """Block until the server's health check answers SERVING (or raise)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as ch:
+    with open_channel(address, tls_ca, tls_cert, tls_key) as ch:
         grpc.channel_ready_future(ch).result(timeout=timeout)
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                     timeout=timeout)
@@ -73,8 +77,9 @@ class SearchClient:
 
     def __init__(self, address: str = "127.0.0.1:50051", token: Optional[str] = None,
                  tls_ca: Optional[Path] = None, tls_cert: Optional[Path] = None,
-                 tls_key: Optional[Path] = None, timeout: float = 10.0):
-        self.channel = open_channel(address, tls_ca, tls_cert, tls_key)
+                 tls_key: Optional[Path] = None, timeout: float = 10.0,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES):
+        self.channel = open_channel(address, tls_ca, tls_cert, tls_key, max_answer_bytes)
         self.stub = pb_grpc.SearchServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout = timeout
@@ -101,8 +106,15 @@ class SearchClient:
             yield from self._batch(chunk, timeout)
 
     def _batch(self, chunk: list[pb.SearchRequest], timeout: Optional[float]) -> list[BatchResult]:
-        resp = self.stub.SearchBatch(pb.SearchBatchRequest(queries=chunk), metadata=self.metadata,
-                                     timeout=timeout or max(self.timeout, 0.05 * len(chunk)))
+        try:
+            resp = self.stub.SearchBatch(pb.SearchBatchRequest(queries=chunk), metadata=self.metadata,
+                                         timeout=timeout or max(self.timeout, 0.05 * len(chunk)))
+        except grpc.RpcError as err:
+            # an answer over the message limit: the same queries in two calls
+            if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or len(chunk) == 1:
+                raise
+            half = len(chunk) // 2
+            return self._batch(chunk[:half], timeout) + self._batch(chunk[half:], timeout)
         return [BatchResult(_CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.message,
                             item.response if item.code == 0 else None) for item in resp.results]
 
@@ -217,15 +229,17 @@ def main(argv=None) -> int:
     p.add_argument("--tls-cert", type=Path, help="client certificate (mutual TLS)")
     p.add_argument("--tls-key", type=Path, help="client key (mutual TLS)")
     p.add_argument("--wait", type=float, default=0, help="wait this long for the server first")
-    p.add_argument("--timeout", type=float, default=10.0, help="request deadline in seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="deadline per call in seconds (default 10; with --queries, 10 or 50 ms per "
+                        "query of the call, whichever is longer)")
     args = p.parse_args(argv)
     if (args.query is None) == (args.queries is None):
         p.error("give one query or --queries FILE")
     if args.wait:
-        wait_ready(args.address, args.wait)
+        wait_ready(args.address, args.wait, args.tls_ca, args.tls_cert, args.tls_key)
     token = args.token_file.read_text().strip() if args.token_file else None
     with SearchClient(args.address, token, args.tls_ca, args.tls_cert, args.tls_key,
-                      args.timeout) as client:
+                      args.timeout or 10.0) as client:
         if args.queries is not None:
             return _run_file(client, args)
         try:

@@ -33,6 +33,12 @@ def hybrid_server(tmp_path_factory, tiny_embedder, tiny_reranker_dir):
                          title="census"))
     docs.append(Document("fb2", "Marsupials across the island were counted again at night.",
                          title="recount"))
+    # feedback beyond the shipped text: a dozen equal matches of one word, each with words of
+    # its own, so which of them the feedback reads shows in the expansion
+    words = ["amber", "basalt", "cobalt", "dolomite", "emerald", "feldspar", "garnet", "hematite",
+             "iolite", "jasper", "kyanite", "lazurite"]
+    for i, w in enumerate(words):
+        docs.append(Document(f"zx{i}", f"zyxmineral sample {w} {w} {w}", title=f"{w} note"))
     data = tmp_path_factory.mktemp("hybrid")
     publish_build(data, "h", docs, tiny_embedder, "HNSW16,Flat", shards=3)
     reranker = CrossEncoder(tiny_reranker_dir, Device("cpu"))
@@ -122,6 +128,7 @@ def test_selective_metadata_filters_restrict_before_ranking_and_fill_the_page(st
 
 def test_weighted_fusion_scores_each_list_by_its_share(stub):
     resp = search(stub, text="shock wave measurements", mode=pb.HYBRID, rrf_k=60, dense_weight=0.7)
+    assert resp.hits and any(h.dense.rank and h.lexical.rank for h in resp.hits)
     for i, h in enumerate(resp.hits, start=1):
         assert h.fused.rank == i
         expected = (1.4 / (60 + h.dense.rank) if h.dense.rank else 0) + \
@@ -139,14 +146,50 @@ def test_lexical_feedback_expands_the_bm25_query_with_terms_of_the_first_hits(st
     assert note and "marsupi" in note[0] and "quokka" not in note[0].split(":", 1)[1]
     hyb = search(stub, text="quokka", mode=pb.HYBRID, lexical_feedback_terms=5, feedback_docs=1)
     assert "fb2" in [h.doc_id for h in hyb.hits if h.lexical.rank]
+    # the feedback reads the hits' text even where the shards did not ship it (untraced calls ship
+    # text for the first top_k + a few hits only), so tracing a call does not change its answer
+    for mode in (pb.HYBRID, pb.LEXICAL):
+        opts = dict(text="zyxmineral", mode=mode, top_k=1, lexical_feedback_terms=12,
+                    feedback_docs=20)
+        plain, traced = search(stub, **opts), search(stub, include_trace=True, **opts)
+        def seen(resp):
+            return [(h.doc_id, round(h.score, 5), h.lexical.rank, round(h.lexical.score, 4))
+                    for h in resp.hits]
+
+        assert seen(plain) == seen(traced)
+        read = 20 if mode == pb.HYBRID else 12  # lexical: the twelve documents that match
+        assert any(n.startswith(f"lexical feedback from the first {read} hits")
+                   for n in traced.trace.notes), list(traced.trace.notes)
     off = search(stub, text="quokka", mode=pb.LEXICAL, lexical_feedback_terms=0, include_trace=True)
     assert [h.doc_id for h in off.hits] == ["fb1"]
     assert not any(n.startswith("lexical feedback") for n in off.trace.notes)
 
 
+def test_min_max_fusion_combines_normalised_list_scores(stub):
+    resp = search(stub, text="shock wave measurements", mode=pb.HYBRID, fusion=pb.FUSION_MIN_MAX,
+                  dense_weight=0.7, feedback_docs=0, include_trace=True)
+    lists = {lst.name: [(it.chunk_id, it.score) for it in lst.items] for lst in resp.trace.lists}
+
+    def norm(name):
+        scores = [s for _, s in lists[name]]
+        lo, hi = min(scores), max(scores)
+        return {cid: (s - lo) / (hi - lo) if hi > lo else 1.0 for cid, s in lists[name]}
+
+    dense, lexical = norm("dense"), norm("lexical")
+    assert resp.hits and all(h.score_kind == pb.MIN_MAX_FUSED and h.fused.kind == pb.MIN_MAX_FUSED
+                             for h in resp.hits)
+    for i, h in enumerate(resp.hits, start=1):
+        assert h.fused.rank == i
+        expected = 0.7 * dense.get(h.chunk_id, 0.0) + 0.3 * lexical.get(h.chunk_id, 0.0)
+        assert h.score == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    assert [h.score for h in resp.hits] == sorted((h.score for h in resp.hits), reverse=True)
+    rrf_default = search(stub, text="shock wave measurements", mode=pb.HYBRID)
+    assert all(h.score_kind == pb.RRF for h in rrf_default.hits)
+
+
 @pytest.mark.parametrize("field,value", [("dense_weight", 1.0), ("dense_weight", 0.0),
                                          ("feedback_weight", 1.5), ("feedback_docs", 101),
-                                         ("lexical_feedback_terms", 65)])
+                                         ("lexical_feedback_terms", 65), ("fusion", 7)])
 def test_feedback_and_fusion_options_out_of_range_are_refused(stub, field, value):
     with pytest.raises(grpc.RpcError) as err:
         search(stub, text="shock wave", mode=pb.HYBRID, **{field: value})

@@ -2,7 +2,7 @@
 import pytest
 
 from server.backends.docstore import ChunkRecord
-from server.core.ranking import merge_topk, rm3_expansion, rrf
+from server.core.ranking import merge_topk, minmax_fusion, rm3_expansion, rrf
 from server.core.types import Candidate
 
 
@@ -64,3 +64,15 @@ def test_rm3_expansion_takes_the_feedback_texts_most_likely_new_terms():
     light_second = dict(rm3_expansion("quokka survey", texts, [5.0, 0.1], 5, 0.5))
     assert heavy_second.get("night", 0) > light_second.get("night", 0)
     assert rm3_expansion("quokka", texts, [1.0, 1.0], 0, 0.5) == ()
+
+
+def test_minmax_fusion_normalises_each_list_and_weights_them():
+    fused = dict(minmax_fusion({"dense": [(1, 0.9), (2, 0.5), (3, 0.1)], "lexical": [(2, 12.0), (4, 4.0)]},
+                               {"dense": 0.6, "lexical": 0.4}))
+    assert fused[1] == pytest.approx(0.6)                 # best dense, absent from lexical
+    assert fused[2] == pytest.approx(0.6 * 0.5 + 0.4)     # middle dense, best lexical
+    assert fused[3] == pytest.approx(0.0) and fused[4] == pytest.approx(0.0)
+    # distances: lower is better, so the smallest maps to 1
+    l2 = minmax_fusion({"dense": [(7, 0.2), (8, 1.4)]}, {"dense": 1.0}, lower_is_better=("dense",))
+    assert l2 == [(7, 1.0), (8, 0.0)]
+    assert minmax_fusion({"dense": [(5, 3.0)], "lexical": []}, {"dense": 0.5, "lexical": 0.5}) == [(5, 0.5)]

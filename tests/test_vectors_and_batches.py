@@ -205,6 +205,29 @@ def test_the_client_sends_more_queries_than_one_batch_holds_and_keeps_their_orde
             assert res.ok and [h.chunk_id for h in res.response.hits] == single[i % len(q)], i
 
 
+def test_a_batch_whose_answer_is_over_the_message_limit_is_split_not_failed(vec_server,
+                                                                           vector_collection):
+    """An answer larger than the client's receive limit (RESOURCE_EXHAUSTED for the whole call)
+    is asked for again in halves until each fits: every query still gets its own answer."""
+    from server.client import SearchClient, request
+
+    srv, _ = vec_server
+    q = vector_collection[3]
+    reqs = [request(collection="vec", mode="dense", top_k=50, vector=q[i % len(q)], model_id=MODEL)
+            for i in range(64)]
+    with SearchClient(srv.address) as roomy:
+        whole = list(roomy.search_batch(reqs, timeout=60))
+    one_answer = whole[0].response.ByteSize()
+    with SearchClient(srv.address, max_answer_bytes=one_answer * 10) as tight:
+        with pytest.raises(grpc.RpcError) as err:  # the unsplit call really is over the limit
+            tight.stub.SearchBatch(pb.SearchBatchRequest(queries=reqs), timeout=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        split = list(tight.search_batch(reqs, timeout=60))
+    assert [r.ok for r in split] == [True] * 64
+    assert [[h.chunk_id for h in r.response.hits] for r in split] == \
+        [[h.chunk_id for h in r.response.hits] for r in whole]
+
+
 def test_search_client_answers_a_file_of_queries(server, tmp_path):
     """`search-client --queries FILE` (plain lines and BEIR-style JSONL) writes one JSON line per
     query in order; a query the server refuses is reported in its line and the exit code is 1."""

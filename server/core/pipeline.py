@@ -24,10 +24,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from server.config import PipelineConfig
-from server.core import metrics
+from server.core import limits, metrics
 from server.core.assembly import ContextAssembler
 from server.core.encoders import Encoders
-from server.core.ranking import merge_topk, rm3_expansion, rrf
+from server.core.ranking import merge_topk, minmax_fusion, rm3_expansion, rrf
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import (Candidate, FetchRequest, RankedHit, SearchQuery, SearchResult,
                                ShardQuery, ShardResult, TraceEntry)
@@ -108,7 +108,7 @@ class QueryPipeline:
         expand = [st for st in states if st.live and st.mode in ("hybrid", "lexical")
                   and self._expansion_n(st)]
         if expand:
-            await self._lexical_feedback(expand, deadline)
+            await self._lexical_feedback(expand, tenant, acl_scopes, deadline)
             t = self._lap(expand, "lexical_feedback", t)
         await asyncio.gather(*(self._finish(st, tenant, acl_scopes, deadline)
                                for st in states if st.live), return_exceptions=False)
@@ -165,7 +165,7 @@ class QueryPipeline:
         return (st.coll.desc.build_id, versions, " ".join(q.text.split()), vec, st.mode, tenant,
                 acl_scopes, q.filters, q.top_k, q.dense_depth, q.lexical_depth, q.rrf_k,
                 q.rerank_depth, q.context_token_budget, q.allow_partial, q.feedback_docs,
-                q.feedback_weight, q.lexical_feedback_terms, q.dense_weight)
+                q.feedback_weight, q.lexical_feedback_terms, q.dense_weight, q.fusion)
 
     async def _embed(self, st: _Query, deadline: Optional[float]) -> None:
         try:
@@ -183,6 +183,8 @@ class QueryPipeline:
         # fusion wants deep candidate lists; a single retriever needs only what assembly reads,
         # with room for duplicates it drops
         single = max(2 * q.top_k, q.rerank_depth) if st.mode != "hybrid" else 0
+        if single and st.mode == "lexical" and self._expansion_n(st):
+            single = max(single, self._lexical_feedback_k(st))  # lexical feedback reads that deep
         dense_depth = q.dense_depth or max(single or self.config.default_depth, q.top_k)
         lexical_depth = q.lexical_depth or max(single or self.config.default_depth, q.top_k)
         text_top_n = 0 if q.include_trace else (self.config.text_top_n or self._window(q))
@@ -276,8 +278,15 @@ class QueryPipeline:
             st.fused = self._rrf(st)
 
     def _rrf(self, st: _Query) -> list[tuple[int, float]]:
-        """RRF of the current lists, weighted when the request names a dense_weight (0.5 = plain)."""
+        """The current lists fused: RRF, weighted when the request names a dense_weight (0.5 =
+        plain RRF), or with fusion=minmax a weighted sum of min-max normalised scores."""
         w = st.q.dense_weight
+        if st.q.fusion == "minmax":
+            share = 0.5 if w is None else w
+            return minmax_fusion({"dense": [(c.chunk_id, c.score) for c in st.dense],
+                                  "lexical": [(c.chunk_id, c.score) for c in st.lexical]},
+                                 {"dense": share, "lexical": 1.0 - share},
+                                 ("dense",) if st.coll.desc.metric == "l2" else ())
         weights = None if w is None else {"dense": 2.0 * w, "lexical": 2.0 * (1.0 - w)}
         return rrf({"dense": [c.chunk_id for c in st.dense],
                     "lexical": [c.chunk_id for c in st.lexical]}, self._rrf_k(st), weights)
@@ -352,35 +361,57 @@ class QueryPipeline:
 
     def _expansion_n(self, st: _Query) -> int:
         n = st.q.lexical_feedback_terms
-        return self.config.lexical_feedback_terms if n is None else n
+        n = self.config.lexical_feedback_terms if n is None else n
+        return max(0, min(n, limits.MAX_EXPANSION_TERMS))  # a server default beyond the shards' cap
 
-    async def _lexical_feedback(self, states: list[_Query], deadline: Optional[float]) -> None:
+    def _lexical_feedback_k(self, st: _Query) -> int:
+        """Hits fed back to the lexical side: the request's feedback_docs, else the server's
+        dense_feedback_docs, else 5 (feedback_docs 0 turns off only the dense side's feedback)."""
+        return st.q.feedback_docs or self.config.dense_feedback_docs or 5
+
+    async def _lexical_feedback(self, states: list[_Query], tenant: str, acl_scopes: tuple,
+                                deadline: Optional[float]) -> None:
         """Pseudo-relevance feedback on the lexical side (RM3): terms weighted by their share of
         the first feedback hits' text (each hit weighted by its fused, or BM25, score) are added
         to the BM25 query with boosts up to `lexical_feedback_weight` (a query term weighs 1);
-        the lexical list is searched again and fused again with the dense one. Off by default:
-        measured on both development collections in docs/BENCHMARKS.md."""
+        the lexical list is searched again and fused again with the dense one. The hits' text
+        is read for those the shards did not ship it for, so a traced request (all text shipped)
+        and an untraced one expand alike. Off by default: measured on both development
+        collections in docs/BENCHMARKS.md."""
         loop = asyncio.get_running_loop()
-        todo, sqs, picked = [], [], []
+        picks = []
         for st in states:
             ranked = st.fused if st.mode == "hybrid" else [(c.chunk_id, c.score) for c in st.lexical]
-            by_id = {c.chunk_id: c for c in st.dense + st.lexical}
-            k = st.q.feedback_docs or self.config.dense_feedback_docs or 5
-            docs = [(by_id[cid], score) for cid, score in ranked[:k]
-                    if cid in by_id and by_id[cid].record.text]
+            by_id: dict[int, Candidate] = {}
+            for c in st.dense + st.lexical:  # prefer the copy that came with its text
+                if c.chunk_id not in by_id or by_id[c.chunk_id].record.text is None:
+                    by_id[c.chunk_id] = c
+            picks.append([(by_id[cid], score) for cid, score in ranked[:self._lexical_feedback_k(st)]
+                          if cid in by_id])
+        texts = await asyncio.gather(*(self._feedback_texts(st, p, tenant, acl_scopes, deadline)
+                                       for st, p in zip(states, picks)))
+        top_weight = min(max(self.config.lexical_feedback_weight, 1e-3), limits.MAX_TERM_WEIGHT)
+
+        async def expand(st: _Query, docs: list[tuple[str, float]]):
             if not docs:
-                continue
-            expansion = await loop.run_in_executor(
-                self.cpu, rm3_expansion, st.q.text,
-                [f"{c.record.title or ''} {c.record.text}" for c, _ in docs],
-                [max(float(s), 0.0) for _, s in docs], self._expansion_n(st),
-                self.config.lexical_feedback_weight)
+                return ()
+            try:
+                return await loop.run_in_executor(
+                    self.cpu, rm3_expansion, st.q.text, [t for t, _ in docs], [s for _, s in docs],
+                    self._expansion_n(st), top_weight)
+            except Exception as exc:  # feedback is an improvement, never a reason to fail
+                log.exception("lexical feedback failed")
+                st.notes.append(f"lexical feedback skipped: {type(exc).__name__}")
+                return ()
+
+        expansions = await asyncio.gather(*(expand(st, d) for st, d in zip(states, texts)))
+        todo, sqs, notes = [], [], {}
+        for st, docs, expansion in zip(states, texts, expansions):
             if not expansion:
                 continue
             todo.append(st)
-            picked.append((len(docs), expansion))
+            notes[id(st)] = (len(docs), expansion)
             sqs.append(replace(st.sq, vector=None, dense_depth=0, expansion=expansion))
-        notes = {id(st): p for st, p in zip(todo, picked)}
 
         def settle(st: _Query, ok: list[ShardResult]) -> None:
             st.lexical = merge_topk((r.lexical for r in ok), st.sq.lexical_depth)
@@ -391,6 +422,32 @@ class QueryPipeline:
                             + ", ".join(f"{t} {w:.2f}" for t, w in expansion))
 
         await self._second_round(todo, sqs, deadline, "lexical feedback", settle)
+
+    async def _feedback_texts(self, st: _Query, picks: list[tuple[Candidate, float]], tenant: str,
+                              acl_scopes: tuple, deadline: Optional[float]) -> list[tuple[str, float]]:
+        """(title + text, score) of the feedback hits; records the shards did not ship are read
+        by row (a row replaced since is dead and drops out; a shard that fails drops its hits)."""
+        missing: dict[int, list[int]] = {}
+        for c, _ in picks:
+            if c.record.text is None:
+                missing.setdefault(c.shard, []).append(c.record.row)
+        found: dict[tuple[int, int], object] = {}
+        if missing:
+            loop = asyncio.get_running_loop()
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
+            shards = {s.shard_no: s for s in st.coll.shards}
+            fetched = await asyncio.gather(*(
+                shards[n].fetch(FetchRequest(st.sq.build_id, tenant, acl_scopes, tuple(rows)), timeout)
+                for n, rows in missing.items()), return_exceptions=True)
+            for n, batch in zip(missing, fetched):
+                if not isinstance(batch, BaseException):
+                    found.update({(n, c.record.row): c.record for c in batch})
+        out = []
+        for c, score in picks:
+            rec = c.record if c.record.text is not None else found.get((c.shard, c.record.row))
+            if rec is not None and rec.text is not None:
+                out.append((f"{rec.title or ''} {rec.text}", score))
+        return out
 
     async def _finish(self, st: _Query, tenant: str, acl_scopes: tuple,
                       deadline: Optional[float]) -> None:
@@ -409,7 +466,9 @@ class QueryPipeline:
         if st.mode == "hybrid":
             by_id = {c.chunk_id: c for c in st.lexical}
             by_id.update({c.chunk_id: c for c in st.dense})
-            ranked = [RankedHit(by_id[cid], s, "rrf", dense_pos.get(cid), lex_pos.get(cid), (i + 1, s))
+            kind = "minmax" if st.q.fusion == "minmax" else "rrf"
+            ranked = [RankedHit(by_id[cid], s, kind, dense_pos.get(cid), lex_pos.get(cid), (i + 1, s),
+                                fused_kind=kind)
                       for i, (cid, s) in enumerate(st.fused)]
         elif st.mode == "dense":
             ranked = [RankedHit(c, c.score, dense_kind, dense_pos[c.chunk_id]) for c in st.dense]

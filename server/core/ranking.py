@@ -5,6 +5,7 @@ No devices, sockets or I/O: unit-tested directly (tests/test_ranking.py).
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Iterable, Optional, Sequence
 
 from server.core.types import Candidate
@@ -47,29 +48,55 @@ def rrf(ranked_lists: dict[str, Sequence[int]], k: int = 60,
     return sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
+def minmax_fusion(scored: dict[str, Sequence[tuple[int, float]]], weights: dict[str, float],
+                  lower_is_better: Sequence[str] = ()) -> list[tuple[int, float]]:
+    """Convex combination of min-max normalised scores: each list's scores are mapped to [0, 1]
+    (best = 1; a list whose scores are all equal maps to 1; lists in `lower_is_better`, e.g. L2
+    distances, are flipped first), weighted, and summed per chunk id (absent from a list = 0).
+    Returns (chunk_id, fused score) best first; ties break on chunk id."""
+    fused: dict[int, float] = {}
+    for name, pairs in scored.items():
+        if not pairs:
+            continue
+        vals = [(-s if name in lower_is_better else s) for _, s in pairs]
+        lo, hi = min(vals), max(vals)
+        w = weights.get(name, 1.0)
+        for (cid, _), v in zip(pairs, vals):
+            norm = 1.0 if hi == lo else (v - lo) / (hi - lo)
+            fused[cid] = fused.get(cid, 0.0) + w * norm
+    return sorted(fused.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
 def rm3_expansion(query: str, texts: Sequence[str], weights: Sequence[float], n_terms: int,
                   top_weight: float) -> tuple[tuple[str, float], ...]:
     """RM3's relevance model over feedback texts: P(t|R) = sum_d w_d * tf(t, d) / |d| with w_d
-    the hits' scores normalised to sum 1; the `n_terms` most likely analysed terms that are not
-    already in the query (nor single characters), boosted proportionally, the first at
-    `top_weight`. Runs the index's analyzer: call it off the event loop."""
+    the hits' scores normalised to sum 1 (uniform when none is positive); the `n_terms` most
+    likely analysed terms that are not already in the query (nor single characters), boosted
+    proportionally, the first at `top_weight`, none below MIN_TERM_WEIGHT (a boost that rounds
+    to 0 would be refused). Runs the index's analyzer: call it off the event loop."""
     from server.backends.lexical import analyze
 
     if n_terms <= 0 or not texts:
         return ()
+    w = [x if x > 0 and math.isfinite(x) else 0.0 for x in weights]
+    total = sum(w)
+    if total <= 0:
+        w, total = [1.0] * len(texts), float(len(texts))
     in_query = set(analyze(query))
-    total = sum(weights) or float(len(texts))
     rel: dict[str, float] = {}
-    for text, w in zip(texts, weights):
+    for text, wd in zip(texts, w):
         terms = analyze(text)
-        if not terms:
+        if not terms or wd <= 0:
             continue
-        share = (w if sum(weights) else 1.0) / total / len(terms)
+        share = wd / total / len(terms)
         for t in terms:
             if len(t) > 1 and t not in in_query:
                 rel[t] = rel.get(t, 0.0) + share
-    top = sorted(rel.items(), key=lambda kv: (-kv[1], kv[0]))[:n_terms]
+    top = sorted(((t, p) for t, p in rel.items() if p > 0), key=lambda kv: (-kv[1], kv[0]))[:n_terms]
     if not top:
         return ()
     best = top[0][1]
-    return tuple((t, top_weight * p / best) for t, p in top)
+    return tuple((t, max(MIN_TERM_WEIGHT, top_weight * p / best)) for t, p in top)
+
+
+MIN_TERM_WEIGHT = 1e-3

@@ -41,7 +41,8 @@ class SearchQuery:
     feedback_docs: Optional[int] = None     # hybrid dense feedback: fused hits fed back (None: default)
     feedback_weight: Optional[float] = None  # their weight against the query's (None: default)
     lexical_feedback_terms: Optional[int] = None  # RM3 expansion terms (None: default, 0: off)
-    dense_weight: Optional[float] = None     # weighted RRF: the dense list's share (None: 0.5)
+    dense_weight: Optional[float] = None     # weighted fusion: the dense list's share (None: 0.5)
+    fusion: str = "rrf"                      # rrf | minmax (hybrid only)
 
 
 @dataclass
@@ -173,11 +174,12 @@ class ShardResult:
 class RankedHit:
     candidate: Candidate
     score: float
-    score_kind: str                          # cosine | inner_product | l2 | bm25 | rrf | cross_encoder
+    score_kind: str                          # cosine | inner_product | l2 | bm25 | rrf | minmax | cross_encoder
     dense: Optional[tuple[int, float]] = None    # (rank, score) in the merged dense list
     lexical: Optional[tuple[int, float]] = None
     fused: Optional[tuple[int, float]] = None
     rerank: Optional[tuple[int, float]] = None
+    fused_kind: str = "rrf"                  # how `fused` was computed: rrf | minmax
 
 
 @dataclass

@@ -22,7 +22,9 @@ from server.rpc import shard_pb2 as spb
 MODE_NAMES = {pb.SEARCH_MODE_UNSPECIFIED: "", pb.DENSE: "dense", pb.LEXICAL: "lexical",
               pb.HYBRID: "hybrid"}
 SCORE_KIND = {"cosine": pb.COSINE_SIMILARITY, "inner_product": pb.INNER_PRODUCT,
-              "l2": pb.L2_DISTANCE, "bm25": pb.BM25, "rrf": pb.RRF, "cross_encoder": pb.CROSS_ENCODER}
+              "l2": pb.L2_DISTANCE, "bm25": pb.BM25, "rrf": pb.RRF, "cross_encoder": pb.CROSS_ENCODER,
+              "minmax": pb.MIN_MAX_FUSED}
+FUSIONS = {pb.FUSION_DEFAULT: "rrf", pb.FUSION_RRF: "rrf", pb.FUSION_MIN_MAX: "minmax"}
 
 
 def _f32(data: bytes, what: str) -> Optional[np.ndarray]:
@@ -55,7 +57,14 @@ def query_from_pb(req: pb.SearchRequest) -> SearchQuery:
         feedback_weight=req.feedback_weight if req.HasField("feedback_weight") else None,
         lexical_feedback_terms=(req.lexical_feedback_terms if req.HasField("lexical_feedback_terms")
                                 else None),
-        dense_weight=req.dense_weight if req.HasField("dense_weight") else None)
+        dense_weight=req.dense_weight if req.HasField("dense_weight") else None,
+        fusion=_fusion(req.fusion))
+
+
+def _fusion(value: int) -> str:
+    if value not in FUSIONS:
+        raise InvalidArgument(f"unknown fusion method value {value}")
+    return FUSIONS[value]
 
 
 def _retriever(pair, kind) -> Optional[pb.RetrieverScore]:
@@ -83,7 +92,7 @@ def result_to_pb(res: SearchResult, dense_kind: int) -> pb.SearchResponse:
         if h.lexical is not None:
             hit.lexical.rank, hit.lexical.score, hit.lexical.kind = h.lexical[0], h.lexical[1], pb.BM25
         if h.fused is not None:
-            hit.fused.rank, hit.fused.score, hit.fused.kind = h.fused[0], h.fused[1], pb.RRF
+            hit.fused.rank, hit.fused.score, hit.fused.kind = h.fused[0], h.fused[1], SCORE_KIND[h.fused_kind]
         if h.rerank is not None:
             hit.rerank.rank, hit.rerank.score, hit.rerank.kind = h.rerank[0], h.rerank[1], pb.CROSS_ENCODER
     for stage, ms in res.timings.items():
