@@ -340,8 +340,9 @@ def test_a_log_that_requires_a_token_takes_it_from_the_configured_file(tmp_path)
             assert (await log.publish(0, b"with the token", "authed-0", timeout=5.0)).seq == 1
         finally:
             await log.close()
-        with pytest.raises(ValueError, match="go together"):
-            await connect_log(ReplicationConfig(nats=[server.url], nats_tls_cert=token_file), "x")
+        for half in ({"nats_tls_cert": token_file}, {"nats_tls_key": token_file}):
+            with pytest.raises(ValueError, match="go together"):
+                await connect_log(ReplicationConfig(nats=[server.url], **half), "x")
 
     try:
         run(main())

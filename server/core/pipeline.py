@@ -510,7 +510,9 @@ class QueryPipeline:
         result = SearchResult(a.selected, desc.build_id, desc.corpus_version, desc.model_id,
                               st.timings, bool(st.shard_errors), st.shard_errors, trace, st.notes,
                               a.used)
-        if st.cache_key is not None and not st.shard_errors and self.config.retrieval_cache_size:
+        # an answer degraded by a failed feedback round is served, never cached
+        degraded = st.shard_errors or any(" skipped" in n for n in st.notes)
+        if st.cache_key is not None and not degraded and self.config.retrieval_cache_size:
             self._cache[st.cache_key] = result
             while len(self._cache) > self.config.retrieval_cache_size:
                 self._cache.popitem(last=False)

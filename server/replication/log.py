@@ -50,7 +50,7 @@ def nats_options(config: ReplicationConfig) -> dict:
         if not token:
             raise ValueError(f"--nats-token-file {config.nats_token_file} is empty")
         opts["token"] = token
-    if config.nats_tls_ca or config.nats_tls_cert:
+    if config.nats_tls_ca or config.nats_tls_cert or config.nats_tls_key:
         if bool(config.nats_tls_cert) != bool(config.nats_tls_key):
             raise ValueError("--nats-tls-cert and --nats-tls-key go together")
         ctx = ssl.create_default_context(cafile=str(config.nats_tls_ca) if config.nats_tls_ca else None)
