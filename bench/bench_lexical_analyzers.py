@@ -24,12 +24,12 @@ What it measures
 
   Each row also shows wins/ties/losses on per-query nDCG@10 against (c) and a two-sided paired
   sign-flip randomisation p-value for the mean nDCG@10 difference (--permutations).
-  The reference from /work/shared/datasets/README.md (bm25s, English stopwords, k=100, ranx) is
+  The reference from ../shared/datasets/README.md (bm25s, English stopwords, k=100, ranx) is
   printed alongside: nDCG@10 0.352, recall@100 0.709, MRR@10 0.508.
 
 Run (from the repository root; about 10 seconds):
     .venv/bin/python bench/bench_lexical_analyzers.py
-    .venv/bin/python bench/bench_lexical_analyzers.py --dataset /work/shared/datasets/cranfield --depth 100
+    .venv/bin/python bench/bench_lexical_analyzers.py --dataset ../shared/datasets/cranfield --depth 100
 """
 from __future__ import annotations
 
