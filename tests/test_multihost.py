@@ -19,6 +19,8 @@ import pytest
 
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
+from server.rpc import shard_pb2 as spb
+from server.rpc import shard_pb2_grpc as spb_grpc
 
 from conftest import ServiceProcess, publish_build
 from nats_fixture import NatsServer, find_nats_server
@@ -224,8 +226,19 @@ def test_writes_and_reads_survive_killed_stopped_and_restarted_hosts(hosts, tmp_
         for t in threads:
             t.join(60)
 
-        # every replica converges on the same log position and live rows
+        # every replica has applied everything acknowledged (each answers a read at the last
+        # acknowledged sequence: it waits until its shard's subject is applied that far), and
+        # then they converge on the same log position and live rows
         admin = pb_grpc.AdminServiceStub(channel)
+        last_seq = max(seq for _, seq in acked.values())
+        build = admin.CollectionStats(pb.CollectionStatsRequest(collection="mh"), timeout=30).replicas[0].build_id
+        for name in ("s0r0", "s0r1", "s1r0", "s1r1"):
+            with grpc.insecure_channel(f"{hosts.ip[name]}:7000") as ch:
+                resp = spb_grpc.ShardServiceStub(ch).SearchShard(spb.ShardSearchRequest(queries=[
+                    spb.ShardQuery(build_id=build, tenant="default", text="caught up", lexical_depth=1,
+                                   min_applied_seq=last_seq)]),
+                    metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=90)
+            assert resp.results[0].code == 0, (name, resp.results[0].message)
         deadline = time.monotonic() + 90
         while True:
             stats = admin.CollectionStats(pb.CollectionStatsRequest(collection="mh", digest=True),
@@ -240,7 +253,6 @@ def test_writes_and_reads_survive_killed_stopped_and_restarted_hosts(hosts, tmp_
             assert time.monotonic() < deadline, f"replicas did not converge: {stats.replicas}"
             time.sleep(0.5)
         # no acknowledged write is lost: each document shows exactly one version, >= its last ack
-        last_seq = max(seq for _, seq in acked.values())
         for doc, (v, _) in acked.items():
             visible = [w for w in range(1, attempted[doc] + 1) if doc in [h.doc_id for h in stub.Search(
                 pb.SearchRequest(collection="mh", text=marker(doc, w), top_k=3, mode=pb.LEXICAL,
