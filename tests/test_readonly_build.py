@@ -53,12 +53,12 @@ def substitute(args: list[str], values: dict[str, str], nats_url: str) -> list[s
     out, it = [], iter(args)
     for a in it:
         if a == "--nats":
-            v = next(it)
+            next(it)  # the manifest's value is replaced
             if "--nats" not in out:  # the manifest lists a 3-node NATS cluster: here, one server
                 out += ["--nats", nats_url]
             continue
         if a in ("--stream-replicas", "--port", "--metrics-port", "--host"):
-            v = next(it)
+            next(it)
             out += [a, {"--stream-replicas": "1", "--host": "127.0.0.1", "--port": "0",
                         "--metrics-port": str(free_port())}[a]]
             continue
