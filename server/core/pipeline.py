@@ -275,9 +275,9 @@ class QueryPipeline:
         st.dense = merge_topk((r.dense for r in results), sq.dense_depth) if sq.vector is not None else []
         st.lexical = merge_topk((r.lexical for r in results), sq.lexical_depth) if sq.text else []
         if st.mode == "hybrid":
-            st.fused = self._rrf(st)
+            st.fused = self._fused_ranking(st)
 
-    def _rrf(self, st: _Query) -> list[tuple[int, float]]:
+    def _fused_ranking(self, st: _Query) -> list[tuple[int, float]]:
         """The current lists fused: RRF, weighted when the request names a dense_weight (0.5 =
         plain RRF), or with fusion=minmax a weighted sum of min-max normalised scores."""
         w = st.q.dense_weight
@@ -304,27 +304,14 @@ class QueryPipeline:
         stored vectors of the first fused hits (q' = normalise(a q + b mean)), the dense list is
         searched again with q', and fused again with the unchanged lexical list. Measured on
         both development collections (docs/BENCHMARKS.md); on by default for hybrid queries."""
-        by_id = [{c.chunk_id: c for c in st.dense + st.lexical} for st in states]
-        wants: list[dict[int, list[int]]] = []
-        for st, ids in zip(states, by_id):
-            per_shard: dict[int, list[int]] = {}
-            for cid, _ in st.fused[:self._feedback_k(st)]:
-                c = ids[cid]
-                per_shard.setdefault(c.shard, []).append(c.record.row)
-            wants.append(per_shard)
-        loop = asyncio.get_running_loop()
-        timeout = None if deadline is None else max(0.0, deadline - loop.time())
-
-        async def vectors_of(st, per_shard) -> Optional[np.ndarray]:
-            shards = {s.shard_no: s for s in st.coll.shards}
-            got = await asyncio.gather(*(
-                shards[n].fetch(FetchRequest(st.sq.build_id, tenant, acl_scopes, tuple(rows), True),
-                                timeout) for n, rows in per_shard.items()), return_exceptions=True)
-            vecs = [c.vector for g in got if not isinstance(g, BaseException) for c in g
-                    if c.vector is not None]
+        async def vectors_of(st: _Query) -> Optional[np.ndarray]:
+            ids = {c.chunk_id: c for c in st.dense + st.lexical}
+            got = await self._fetch_rows(st, [ids[cid] for cid, _ in st.fused[:self._feedback_k(st)]],
+                                         tenant, acl_scopes, deadline, with_vectors=True, tolerant=True)
+            vecs = [c.vector for c in got.values() if c.vector is not None]
             return np.mean(vecs, axis=0) if vecs else None
 
-        means = await asyncio.gather(*(vectors_of(st, w) for st, w in zip(states, wants)))
+        means = await asyncio.gather(*(vectors_of(st) for st in states))
         todo, sqs = [], []
         for st, mean in zip(states, means):
             if mean is None:
@@ -337,7 +324,7 @@ class QueryPipeline:
 
         def settle(st: _Query, ok: list[ShardResult]) -> None:
             st.dense = merge_topk((r.dense for r in ok), st.sq.dense_depth)
-            st.fused = self._rrf(st)
+            st.fused = self._fused_ranking(st)
             st.notes.append(f"dense feedback from the first {self._feedback_k(st)} fused hits")
 
         await self._second_round(todo, sqs, deadline, "dense feedback", settle)
@@ -416,7 +403,7 @@ class QueryPipeline:
         def settle(st: _Query, ok: list[ShardResult]) -> None:
             st.lexical = merge_topk((r.lexical for r in ok), st.sq.lexical_depth)
             if st.mode == "hybrid":
-                st.fused = self._rrf(st)
+                st.fused = self._fused_ranking(st)
             n, expansion = notes[id(st)]
             st.notes.append(f"lexical feedback from the first {n} hits: "
                             + ", ".join(f"{t} {w:.2f}" for t, w in expansion))
@@ -427,24 +414,13 @@ class QueryPipeline:
                               acl_scopes: tuple, deadline: Optional[float]) -> list[tuple[str, float]]:
         """(title + text, score) of the feedback hits; records the shards did not ship are read
         by row (a row replaced since is dead and drops out; a shard that fails drops its hits)."""
-        missing: dict[int, list[int]] = {}
-        for c, _ in picks:
-            if c.record.text is None:
-                missing.setdefault(c.shard, []).append(c.record.row)
-        found: dict[tuple[int, int], object] = {}
-        if missing:
-            loop = asyncio.get_running_loop()
-            timeout = None if deadline is None else max(0.0, deadline - loop.time())
-            shards = {s.shard_no: s for s in st.coll.shards}
-            fetched = await asyncio.gather(*(
-                shards[n].fetch(FetchRequest(st.sq.build_id, tenant, acl_scopes, tuple(rows)), timeout)
-                for n, rows in missing.items()), return_exceptions=True)
-            for n, batch in zip(missing, fetched):
-                if not isinstance(batch, BaseException):
-                    found.update({(n, c.record.row): c.record for c in batch})
+        found = await self._fetch_rows(st, [c for c, _ in picks if c.record.text is None], tenant,
+                                       acl_scopes, deadline, tolerant=True)
         out = []
         for c, score in picks:
-            rec = c.record if c.record.text is not None else found.get((c.shard, c.record.row))
+            if c.record.text is None:
+                c = found.get((c.shard, c.record.row))
+            rec = None if c is None else c.record
             if rec is not None and rec.text is not None:
                 out.append((f"{rec.title or ''} {rec.text}", score))
         return out
@@ -523,30 +499,42 @@ class QueryPipeline:
         """The hits with their records read: shards ship records for their first hits only; the
         others are fetched by row now. A row replaced or deleted meanwhile is dead and drops out,
         so one ranking never mixes document versions."""
-        missing: dict[int, list[int]] = {}
-        for h in hits:
-            if h.candidate.record.text is None:
-                missing.setdefault(h.candidate.shard, []).append(h.candidate.record.row)
+        missing = [h.candidate for h in hits if h.candidate.record.text is None]
         if not missing:
             return hits
         t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        timeout = None if deadline is None else max(0.0, deadline - loop.time())
-        shards = {s.shard_no: s for s in st.coll.shards}
-        fetched = await asyncio.gather(*(
-            shards[n].fetch(FetchRequest(st.sq.build_id, tenant, acl_scopes, tuple(rows)), timeout)
-            for n, rows in missing.items()))
+        found = await self._fetch_rows(st, missing, tenant, acl_scopes, deadline)
         self._stamp(st, "fetch", t0)
-        found = {(n, c.record.row): c.record for n, batch in zip(missing, fetched) for c in batch}
         out = []
         for h in hits:
             if h.candidate.record.text is None:
-                rec = found.get((h.candidate.shard, h.candidate.record.row))
-                if rec is None:
+                c = found.get((h.candidate.shard, h.candidate.record.row))
+                if c is None:
                     continue
-                h.candidate.record = rec
+                h.candidate.record = c.record
             out.append(h)
         return out
+
+    async def _fetch_rows(self, st: _Query, cands: Sequence[Candidate], tenant: str, acl_scopes: tuple,
+                          deadline: Optional[float], with_vectors: bool = False,
+                          tolerant: bool = False) -> dict[tuple[int, int], Candidate]:
+        """The records of these candidates' rows that are still live and visible to the caller
+        (with their stored vectors if asked), one FetchChunks per shard, keyed by (shard, row).
+        A shard that fails raises, or with `tolerant` (feedback rounds: an improvement, never a
+        reason to fail) leaves its rows out."""
+        per_shard: dict[int, list[int]] = {}
+        for c in cands:
+            per_shard.setdefault(c.shard, []).append(c.record.row)
+        if not per_shard:
+            return {}
+        loop = asyncio.get_running_loop()
+        timeout = None if deadline is None else max(0.0, deadline - loop.time())
+        shards = {s.shard_no: s for s in st.coll.shards}
+        got = await asyncio.gather(*(
+            shards[n].fetch(FetchRequest(st.sq.build_id, tenant, acl_scopes, tuple(rows), with_vectors),
+                            timeout) for n, rows in per_shard.items()), return_exceptions=tolerant)
+        return {(n, c.record.row): c for n, batch in zip(per_shard, got)
+                if not isinstance(batch, BaseException) for c in batch}
 
     def _trace(self, st: _Query, pre_rerank, ranked, a: ContextAssembler) -> dict:
         def entries(cands: Sequence[Candidate]):
