@@ -2,9 +2,7 @@
 query files, and synthetic clustered vectors."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -15,18 +13,14 @@ CACM = DATASETS / "cacm"
 
 
 def read_queries(path: Path) -> list[str]:
-    """Query texts from a BEIR queries.jsonl ({_id, text}) or a plain text file (one per line)."""
+    """Query texts from a BEIR queries.jsonl ({_id, text}), a directory holding one, or a plain
+    text file (one per line): the product's reader (`search-client --queries`), texts only."""
+    from server.client import read_queries as read
+
     path = Path(path)
     if path.is_dir():
         path = path / "queries.jsonl"
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            out.append(json.loads(line)["text"] if path.suffix == ".jsonl" else line)
-    return [q for q in out if q.strip()]
+    return [text for _, text in read(path) if text.strip()]
 
 
 def clustered(n: int, dim: int, seed: int = 0, clusters: int = 200, latent: int = 24,
@@ -49,18 +43,6 @@ def clustered(n: int, dim: int, seed: int = 0, clusters: int = 200, latent: int 
 
     base = draw(n)
     return (base, draw(n_queries)) if n_queries else base
-
-
-def demo_corpus(path: Path, limit: Optional[int] = None) -> Path:
-    """The demo corpus (docstrings of the Python standard library) written to `path`."""
-    from index_builder.corpus import stdlib_docs
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for doc in stdlib_docs(limit):
-            f.write(json.dumps({"id": doc.doc_id, "title": doc.title, "text": doc.text,
-                                "metadata": doc.metadata}) + "\n")
-    return path
 
 
 def synthetic(n: int, n_queries: int, dim: int, clusters: int, latent: int, spread: float,

@@ -253,9 +253,6 @@ class DocStore:
                 "SELECT row FROM chunks WHERE tenant=? AND doc_id=? AND live=1", (tenant, doc_id)))
         return out
 
-    def document(self, tenant: str, doc_id: str) -> Optional[tuple[int, int]]:
-        return self.documents_of([(tenant, doc_id)]).get((tenant, doc_id))
-
     def next_row(self) -> int:
         return (self._conn().execute("SELECT max(row) FROM chunks").fetchone()[0] or -1) + 1
 
