@@ -113,8 +113,12 @@ class EngineConfig:
     max_batch: int = opt(64, "queries per faiss call")
     dispatch_timeout_ms: float = opt(1.0, "a batch closes this long after its first query when "
                                           "the index is busy (an idle index searches at once)")
-    dense_workers: int = opt(1, "faiss calls that may run at once per shard")
+    dense_workers: int = opt(0, "faiss calls that may run at once per shard; 0 = one per core "
+                                "(up to 4) for an index on the CPU, one for an index on a GPU")
     search_threads: int = opt(8, "threads for BM25, record reads and writes")
+    record_cache_rows: int = opt(50_000, "chunk records (text, ids, metadata) each shard keeps in "
+                                         "memory for the hits it ships, least recently used out "
+                                         "first; 0 = read every one from SQLite")
 
 
 @dataclass

@@ -93,7 +93,7 @@ def test_a_cancelled_or_expired_query_is_dropped_before_the_index_call(engine_bu
     from server.errors import DeadlineExceeded
 
     data, desc = engine_build
-    shard, pools = open_shard(data, desc)
+    shard, pools = open_shard(data, desc, dense_workers=1)  # one device queue, held busy
     groups = GatedGroups(shard, hold_first=True)
     v = rng.standard_normal((4, desc.dim)).astype(np.float32)
     labels = ("eng", "0")
@@ -208,3 +208,118 @@ def test_concurrent_writes_share_group_commits(engine_build, tiny_embedder):
     finally:
         asyncio.run(shard.close())
         pools.close()
+
+
+def test_cached_records_never_outlive_their_rows(engine_build, tiny_embedder):
+    """The record cache keeps chunk records by row. A row never changes, but it stops being live
+    when its document is replaced or deleted: neither a search nor a fetch may return it then,
+    though its record is still cached."""
+    from server.core.chunking import document_chunks
+    from server.core.types import FetchRequest, ShardWrite
+
+    data, desc = engine_build
+    shard, pools = open_shard(data, desc, record_cache_rows=10_000)
+    text = "qqcache a document about boundary layer suction on swept wings"
+
+    def write(op, version, body_text=text):
+        chunks = document_chunks("", body_text) if op == "upsert" else []
+        vecs = (tiny_embedder.encode([c.text for c in chunks]) if chunks
+                else np.zeros((0, desc.dim), np.float32))
+        return ShardWrite(op, "alpha", "cached-doc", version, {"title": "", "text": body_text},
+                          tuple(chunks), vecs)
+
+    v = tiny_embedder.encode([text])[0]
+
+    def mine():
+        res = shard.index.search_group([query(desc, "alpha", v, depth=200)])[0]
+        return [c for c in res.dense if c.record.doc_id == "cached-doc"]
+
+    async def apply(w):
+        return await shard.apply([w])
+
+    try:
+        asyncio.run(apply(write("upsert", 1)))
+        first = mine()
+        assert first and first[0].record.text.startswith("qqcache")
+        old_row = first[0].record.row
+        hits = shard.index.records.hits
+        assert mine()[0].record.row == old_row and shard.index.records.hits > hits  # served cached
+        assert old_row in shard.index.records._records
+
+        asyncio.run(apply(write("upsert", 2, "qqcache version two of the document about suction")))
+        now = mine()
+        assert [c.record.row for c in now] != [old_row]
+        assert all(c.record.text.startswith("qqcache version two") for c in now)
+        fetch = FetchRequest(desc.build_id, "alpha", (), (old_row,))
+        assert shard.index.fetch(fetch) == []          # the old version's row, cached, not live
+
+        new_rows = [c.record.row for c in now]
+        asyncio.run(apply(write("delete", 3)))
+        assert mine() == []
+        assert shard.index.fetch(FetchRequest(desc.build_id, "alpha", (), tuple(new_rows))) == []
+    finally:
+        asyncio.run(shard.close())
+        pools.close()
+
+
+def test_the_record_cache_is_bounded_and_drops_the_least_recently_used(engine_build):
+    from server.core.engine.index import RecordCache
+
+    data, desc = engine_build
+    shard, pools = open_shard(data, desc)
+    index = shard.index
+    try:
+        cache = RecordCache(5)
+        first = cache.read(list(range(10)), index.live, index.store)
+        assert sorted(first) == list(range(10)) and cache.misses == 10
+        assert list(cache._records) == [5, 6, 7, 8, 9]
+        assert cache.read([5], index.live, index.store)[5] == first[5] and cache.hits == 1
+        cache.read([10], index.live, index.store)     # evicts 6, the least recently used
+        assert list(cache._records) == [7, 8, 9, 5, 10]
+        off = RecordCache(0)
+        assert off.read([1, 2], index.live, index.store).keys() == {1, 2} and not off._records
+    finally:
+        asyncio.run(shard.close())
+        pools.close()
+
+
+def test_the_packed_record_read_equals_the_row_by_row_read(tmp_path, monkeypatch):
+    """DocStore.fetch reads a block of rows as one JSON value (one SQLite step: one GIL hand-back
+    instead of one per row); it must return exactly what the row-by-row read does, odd text and
+    extreme integers included, and only live rows."""
+    from server.backends import docstore
+    from server.backends.docstore import ChunkRecord, DocStore
+
+    store = DocStore(tmp_path / "s.sqlite", create=True)
+    records = [
+        ChunkRecord(0, 2**63 - 1, "d\"0", 0, 0, 5, "T\u00eftle", "caf\u00e9 \U0001f600 \"quoted\"\n\\", "t",
+                    {"lang": "fr", "year": "1999"}, ("@all", "team-a"), 2**62 + 7),
+        ChunkRecord(1, 1, "d1", 3, 10, 20, "", "\u0000 nul and tab\t", "t", {}, ("@all",), 1),
+        ChunkRecord(2, 12345, "d2", 0, 0, 1, "", "x", "other", {"k": "v"}, ("team-b",), 0),
+        ChunkRecord(3, 99, "dead", 0, 0, 1, "", "gone", "t", {}, ("@all",), 5),
+    ]
+    store.insert_chunks(records)
+    store._conn().execute("UPDATE chunks SET live=2 WHERE row=3")
+    rows = [3, 2, 1, 0, 7]
+    packed = store.fetch(rows)
+    assert docstore._JSON_FETCH  # the packed read ran (no fallback)
+    monkeypatch.setattr(docstore, "_JSON_FETCH", False)
+    row_by_row = store.fetch(rows)
+    assert packed == row_by_row
+    assert sorted(packed) == [0, 1, 2]
+    assert packed[0].text == records[0].text and packed[0].chunk_id == 2**63 - 1
+    assert packed[1].text == records[1].text                 # NUL survives the JSON packing
+    assert packed[0].acl == ("@all", "team-a") and isinstance(packed[0].acl, tuple)
+    store.close()
+
+
+def test_batches_run_one_at_a_time_on_a_gpu_and_one_per_core_on_the_cpu(monkeypatch):
+    import os
+
+    from server.core.engine.local import dense_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert dense_workers(0, "cpu") == 4 and dense_workers(0, "cuda:0") == 1
+    assert dense_workers(3, "cuda:0") == 3         # a configured number wins
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert dense_workers(0, "cpu") == 2

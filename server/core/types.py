@@ -146,7 +146,7 @@ class ShardInfo:
     replicas: list = field(default_factory=list)  # a replica set: every replica's own ShardInfo
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
     """One chunk as a retriever saw it."""
 

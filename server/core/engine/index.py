@@ -77,6 +77,47 @@ class ShardVectors:
         return out
 
 
+class RecordCache:
+    """Records by row, least recently used out first. A row is one chunk version and never
+    changes, so a cached record cannot be stale; whether it is still live is the live bitmap's
+    to say, checked by the reader under the same read lock as the search (the flip moves the
+    bitmap and the store together). The idea of Solr's documentCache: the hits of popular queries
+    are read from SQLite once, not on every search (a 10-row read cost ~60 us of a ~300 us
+    query). capacity 0 turns it off."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(0, int(capacity))
+        self._records: OrderedDict[int, ChunkRecord] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def read(self, rows: list[int], live: np.ndarray, store: DocStore) -> dict[int, ChunkRecord]:
+        """Records of the live rows among `rows`; misses read from the store and kept."""
+        if not self.capacity:
+            return store.fetch(rows)
+        out: dict[int, ChunkRecord] = {}
+        missing = []
+        with self._lock:
+            cached = self._records
+            for row in rows:
+                rec = cached.get(row)
+                if rec is None:
+                    missing.append(row)
+                elif live[row]:
+                    cached.move_to_end(row)
+                    out[row] = rec
+        self.hits += len(rows) - len(missing)
+        self.misses += len(missing)
+        if missing:
+            fresh = store.fetch(missing)
+            out.update(fresh)
+            with self._lock:
+                self._records.update(fresh)
+                while len(self._records) > self.capacity:
+                    self._records.popitem(last=False)
+        return out
+
+
 class ShardIndex:
     MASK_CACHE = 64
     # Brute force over the allowed rows when they are few: below ~1% of the shard a graph or
@@ -88,7 +129,7 @@ class ShardIndex:
     EXACT_MAX_ROWS = 20_000
 
     def __init__(self, desc: ReleaseDescriptor, build_dir: Path, state_root: Path, shard_no: int,
-                 device: Optional[Device] = None):
+                 device: Optional[Device] = None, record_cache_rows: int = 0):
         self.desc = desc
         self._desc_json = desc.to_json()  # a build's descriptor never changes
         self.shard_no = shard_no
@@ -113,6 +154,7 @@ class ShardIndex:
                                     else None, desc.dim)
         self.lexical = LexicalIndex.open(self.state_dir / "lexical")
         self.store = DocStore(self.state_dir / "docstore.sqlite")
+        self.records = RecordCache(record_cache_rows)
         self._rw = RWLock()
         self._write_mutex = threading.Lock()
         self._masks: OrderedDict[tuple, np.ndarray] = OrderedDict()  # static part, by key
@@ -249,7 +291,8 @@ class ShardIndex:
             return [list(zip(r.tolist(), s.tolist()))
                     for s, r in exact_search(self.vectors, allowed.rows, queries, k, metric)]
         scores, rows = self.dense.search(queries, k, allowed)
-        found = [[(int(r), float(s)) for r, s in zip(rr, ss) if r >= 0] for rr, ss in zip(rows, scores)]
+        found = [[(r, s) for r, s in zip(rr, ss) if r >= 0]
+                 for rr, ss in zip(rows.tolist(), scores.tolist())]
         want = min(k, allowed.count if allowed is not None else self.nrows)
         short = [i for i, f in enumerate(found) if len(f) < want]
         if short and allowed is not None and exact_ok:
@@ -343,8 +386,8 @@ class ShardIndex:
                 top = q.text_top_n or None
                 wanted.update(r for r, _ in d[:top])
                 wanted.update(r for r, _ in l[:top])
-            records = self.store.fetch(sorted(wanted))
             live = self.live
+            records = self.records.read(sorted(wanted), live, self.store)
             text_hash = self.text_hash
             row_ids = self.dense.row_ids
         out = []
@@ -373,7 +416,7 @@ class ShardIndex:
                 continue
             rec = records.get(row)
             # re-check against the store, the authority on visibility (fetch returns live rows)
-            if (rec is None or rec.tenant != tenant or not readable.intersection(rec.acl)
+            if (rec is None or rec.tenant != tenant or readable.isdisjoint(rec.acl)
                     or (allowed is not None and not allowed.mask[row])):
                 continue
             out.append(Candidate(rec.chunk_id, score, rec, self.shard_no))
@@ -386,8 +429,10 @@ class ShardIndex:
                                      f"not {req.build_id}")
         scopes = set(req.acl_scopes) | {PUBLIC_ACL}
         with self._rw.read():
-            records = self.store.fetch([r for r in req.rows if r < self.nrows])
-            out = [Candidate(r.chunk_id, 0.0, r, self.shard_no) for r in records.values()
+            rows = list(dict.fromkeys(r for r in req.rows if r < self.nrows))
+            records = self.records.read(rows, self.live, self.store)
+            found = (records[r] for r in rows if r in records)  # in the order asked
+            out = [Candidate(r.chunk_id, 0.0, r, self.shard_no) for r in found
                    if r.tenant == req.tenant and scopes.intersection(r.acl)]
             if req.with_vectors and out and self.vectors.base is not None:
                 vecs = self.vectors[np.array([c.record.row for c in out], dtype=np.int64)]
