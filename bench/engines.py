@@ -1115,7 +1115,11 @@ class SearchServiceEngine(Engine):
         self.port = self.port or free_port()
         cmd = [sys.executable, "-m", "server.main", "serve", "--data-dir", str(self.dir / "data"),
                "--port", str(self.port), "--embedder", "none", "--log-level", "WARNING",
-               "--workers", str(self.workers), "--alias-poll-s", "0"]
+               "--workers", str(self.workers), "--alias-poll-s", "0",
+               # every query must reach the index, as it does in the other engines: the harness
+               # cycles through 1,000 queries, which the retrieval cache (1,024 entries by
+               # default) would otherwise answer from memory after the first pass
+               "--retrieval-cache-size", "0"]
         if not self.batching:
             cmd.append("--no-batching")
         self.log = open(self.dir / "server.log", "ab")

@@ -4,6 +4,7 @@ expired queries are dropped before the index call; mixed restrictions never shar
 idle shard dispatches at once; writes coalesce into group commits."""
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -214,6 +215,7 @@ def test_cached_records_never_outlive_their_rows(engine_build, tiny_embedder):
     """The record cache keeps chunk records by row. A row never changes, but it stops being live
     when its document is replaced or deleted: neither a search nor a fetch may return it then,
     though its record is still cached."""
+    from server.core import metrics
     from server.core.chunking import document_chunks
     from server.core.types import FetchRequest, ShardWrite
 
@@ -243,7 +245,9 @@ def test_cached_records_never_outlive_their_rows(engine_build, tiny_embedder):
         assert first and first[0].record.text.startswith("qqcache")
         old_row = first[0].record.row
         hits = shard.index.records.hits
+        exported = metrics.RECORD_CACHE.labels("eng", "0", "hit")._value.get()
         assert mine()[0].record.row == old_row and shard.index.records.hits > hits  # served cached
+        assert metrics.RECORD_CACHE.labels("eng", "0", "hit")._value.get() > exported
         assert old_row in shard.index.records._records
 
         asyncio.run(apply(write("upsert", 2, "qqcache version two of the document about suction")))
@@ -323,3 +327,39 @@ def test_batches_run_one_at_a_time_on_a_gpu_and_one_per_core_on_the_cpu(monkeypa
     assert dense_workers(3, "cuda:0") == 3         # a configured number wins
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert dense_workers(0, "cpu") == 2
+
+
+def test_the_read_write_lock_shares_reads_and_lets_a_waiting_writer_go_first():
+    """Searches share the read side; a write's flip waits for them and, once waiting, goes before
+    searches that arrive after it (writes never starve)."""
+    from server.core.rwlock import RWLock
+
+    lock = RWLock()
+    order = []
+    writer_in, late_reader_in = threading.Event(), threading.Event()
+
+    def writer():
+        with lock.write():
+            order.append("writer")
+            writer_in.set()
+
+    def late_reader():
+        with lock.read():
+            order.append("late reader")
+            late_reader_in.set()
+
+    with lock.read():
+        with lock.read():                       # a second reader does not wait for the first
+            order.append("two readers")
+        w = threading.Thread(target=writer)
+        w.start()
+        deadline = time.monotonic() + 10        # until the writer is queued behind the reader
+        while lock._waiting_writers != 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert lock._waiting_writers == 1
+        r = threading.Thread(target=late_reader)
+        r.start()
+        assert not writer_in.wait(0.2) and not late_reader_in.is_set()
+    w.join(10)
+    r.join(10)
+    assert order == ["two readers", "writer", "late reader"]

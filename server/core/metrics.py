@@ -48,6 +48,9 @@ ENGINE_QUEUE_SECONDS = Histogram("search_engine_queue_seconds", "Time a query wa
                                  buckets=LATENCY_BUCKETS)
 ENGINE_DROPPED = Counter("search_engine_dropped_total", "Queries dropped before the index call "
                          "(caller gone or past its deadline)", ["collection", "shard", "reason"])
+RECORD_CACHE = Counter("search_engine_record_cache_total", "Chunk records a shard read for the "
+                       "hits it ships: from its record cache (hit) or from SQLite (miss)",
+                       ["collection", "shard", "result"])
 ENGINE_QUEUE_DEPTH = Gauge("search_engine_queue_depth", "Queries waiting for a batched shard search",
                            ["collection", "shard"])
 WRITE_GROUP = Histogram("search_write_group_size", "Writes applied per group commit",
