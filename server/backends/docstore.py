@@ -527,8 +527,10 @@ class DocStore:
             if _JSON_FETCH:
                 try:
                     (packed,), = conn.execute(_PACKED_FETCH.format(marks), block).fetchall()
-                except sqlite3.OperationalError:  # an SQLite built without JSON functions
-                    _disable_json_fetch()
+                except sqlite3.OperationalError as exc:
+                    if "no such function" not in str(exc):
+                        raise  # e.g. a corrupt metadata column: not a reason to change paths
+                    _disable_json_fetch()  # an SQLite built without JSON functions
                 else:
                     for r in json.loads(packed):
                         out[r[0]] = ChunkRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8],

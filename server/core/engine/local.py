@@ -46,9 +46,9 @@ class EnginePools:
 
 def dense_workers(configured: int, placement: str) -> int:
     """Batches a shard may run at once. A GPU index is one device queue: one batch at a time, the
-    next one filling meanwhile. On the CPU a batch runs on one faiss thread, leaving the other cores idle
-    unless batches overlap (and an HNSW batch costs the same per query at any size), so one
-    worker per core (measured: ~1.6x the queries/s of one worker at 64 callers on 2 cores)."""
+    next one filling meanwhile. On the CPU a batch runs on one faiss thread, leaving the other
+    cores idle unless batches overlap (and an HNSW batch costs the same per query at any size),
+    so one worker per core (measured: ~1.6x the queries/s of one worker at 64 callers, 2 cores)."""
     if configured > 0:
         return configured
     if placement != "cpu":
