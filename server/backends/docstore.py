@@ -163,26 +163,6 @@ _RECORD_COLUMNS = ("row, chunk_id, doc_id, chunk_index, start_offset, end_offset
                    "tenant, metadata, acl, text_hash")
 
 
-_PARSED_ACL: dict[str, tuple] = {}
-_PARSED_METADATA: dict[str, dict] = {}
-_PARSED_MAX = 4096
-
-
-def _parsed(cache: dict, text: str, convert=None):
-    """JSON of a stored acl or metadata column, decoded once per distinct string: most rows share
-    a few values ('["@all"]', '{}'), and decoding them was a quarter of a record read. The result
-    is shared between records, so it is never mutated (records are read-only)."""
-    value = cache.get(text)
-    if value is None:
-        value = json.loads(text)
-        if convert is not None:
-            value = convert(value)
-        if len(cache) >= _PARSED_MAX:
-            cache.clear()
-        cache[text] = value
-    return value
-
-
 # the record columns of live rows as one JSON array of arrays (acl and metadata as JSON values)
 _PACKED_FETCH = ("SELECT json_group_array(json_array(row, chunk_id, doc_id, chunk_index, "
                  "start_offset, end_offset, title, text, tenant, json(metadata), json(acl), "
@@ -196,8 +176,8 @@ def _disable_json_fetch() -> None:
 
 
 def _record(r) -> ChunkRecord:
-    return ChunkRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8],
-                       _parsed(_PARSED_METADATA, r[9]), _parsed(_PARSED_ACL, r[10], tuple), r[11])
+    return ChunkRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], json.loads(r[9]),
+                       tuple(json.loads(r[10])), r[11])
 
 
 class DocStore:
