@@ -1068,9 +1068,11 @@ class SearchServiceEngine(Engine):
     MODEL = "bench-vectors@1"
 
     def __init__(self, batching: bool = True, workers: int = 1, factory: str = "HNSW16,Flat",
-                 texts: str | None = None, name: str | None = None):
+                 texts: str | None = None, name: str | None = None,
+                 server_flags: tuple[str, ...] = ()):
         super().__init__()
         self.batching, self.workers, self.factory, self.texts = batching, workers, factory, texts
+        self.server_flags = tuple(server_flags)  # more `serve` flags (bench/ab_server_flags.py)
         self.name = name or ("search-service" + ("" if batching else " (batching off)")
                              + (f" --workers {workers}" if workers > 1 else ""))
         self.dir = None
@@ -1122,6 +1124,7 @@ class SearchServiceEngine(Engine):
                "--retrieval-cache-size", "0"]
         if not self.batching:
             cmd.append("--no-batching")
+        cmd += list(self.server_flags)
         self.log = open(self.dir / "server.log", "ab")
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -1178,13 +1181,21 @@ class SearchEngineInProcess(Engine):
         self.loop = None
         self.versions = {"hybrid-search-server": "this checkout"}
 
+    @staticmethod
+    def config():
+        """The engine with no front end in its process: a batch on every core (the server's
+        default keeps one core for its event loop; `--dense-workers` sets this there too)."""
+        from server.config import EngineConfig
+        from server.core.engine.local import burst_workers
+
+        return EngineConfig(dense_workers=burst_workers(0, "cpu"))
+
     def build(self, xb):
         import asyncio
 
         sys.path.insert(0, str(REPO_ROOT))
         from index_builder.build import build_collection
         from index_builder.corpus import Document
-        from server.config import EngineConfig
         from server.core.collection import CollectionStore
         from server.core.engine.local import EnginePools, LocalShard
 
@@ -1198,7 +1209,7 @@ class SearchEngineInProcess(Engine):
         self.build_info = {"build_s": time.perf_counter() - t, "factory": self.factory}
         self.pools = EnginePools.create()
         self.shard = LocalShard.open(self.desc, store.build_dir("bench", self.desc.build_id),
-                                     self.dir / ".state", 0, None, EngineConfig(), self.pools)
+                                     self.dir / ".state", 0, None, self.config(), self.pools)
         self.index_path = store.build_dir("bench", self.desc.build_id) / "shard-000" / "dense.faiss"
         SearchEngineInProcess.last_index_path = self.index_path  # faiss-same-index reads it
         self.loop = asyncio.new_event_loop()

@@ -3,12 +3,16 @@
 Builds a collection from precomputed vectors (the same adapter as bench_engines.py's
 `search-service`), drives it with --concurrency closed-loop clients in their own processes, and
 while they run samples the server with py-spy (`py-spy record --format raw`, every thread,
-native frames off unless --native). Prints:
+native frames off unless --native; without --native py-spy reads the server without stopping
+it, `--nonblocking`, since stopping it ~250 times a second cost ~40% of its throughput). Prints:
 - QPS, and the server's CPU per request from /proc (all threads, all time, faiss included);
 - the share of the server's busy samples inside faiss's search (IndexHNSW.search, IndexIVF...,
   IndexFlat..., knn on a GPU) against everything else, and from the two the CPU per request
   OUTSIDE the index;
-- the top functions by their own samples, so the rest has names.
+- the top functions by their own samples, so the rest has names;
+- per thread of the server, the cores it ran on and the cores' worth of time it was ready to run
+  but waiting for a CPU (/proc/PID/task/TID/schedstat): a server below its cores' share whose
+  event loop waits on the run queue is short of CPU, not of work.
 
 Run
 ---
@@ -42,7 +46,7 @@ FAISS_SEARCH = ("IndexHNSW.search", "IndexIVF", "IndexFlat", "IndexRefine", "knn
 def profile(pid: int, seconds: float, rate: int, out: Path, native: bool = False) -> subprocess.Popen:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     cmd = [spy, "record", "-p", str(pid), "-r", str(rate), "-d", str(int(seconds)), "-f", "raw",
-           "-o", str(out), "--subprocesses"] + (["--native"] if native else [])
+           "-o", str(out), "--subprocesses"] + (["--native"] if native else ["--nonblocking"])
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -60,6 +64,21 @@ def summarise(raw: Path) -> dict:
             in_faiss += count
         own[frames[-1]] += count
     return {"samples": total, "faiss": in_faiss, "top": own.most_common(15)}
+
+
+def thread_times(pid: int) -> dict[int, tuple[str, float, float]]:
+    """{tid: (name, seconds on a CPU, seconds runnable but waiting for one)} of a process now."""
+    out = {}
+    task = Path(f"/proc/{pid}/task")
+    for tid_dir in task.iterdir():
+        try:
+            stat = (tid_dir / "stat").read_text()
+            on_cpu, waiting, _ = (tid_dir / "schedstat").read_text().split()
+        except (OSError, ValueError):
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        out[int(tid_dir.name)] = (name, int(on_cpu) / 1e9, int(waiting) / 1e9)
+    return out
 
 
 def main(argv=None) -> int:
@@ -93,7 +112,10 @@ def main(argv=None) -> int:
 
         def start_profile():  # inside the measured window: after the harness's 2 s warm-up
             time.sleep(3.0)
+            holder["threads0"] = (time.monotonic(), thread_times(pid))
             holder["spy"] = profile(pid, args.seconds, args.rate, raw, args.native)
+            time.sleep(args.seconds)
+            holder["threads1"] = (time.monotonic(), thread_times(pid))
 
         threading.Thread(target=start_profile, daemon=True).start()
         m = E.measure(engine, xq, args.k, args.concurrency, args.seconds + 6.0, warmup=2.0)
@@ -114,6 +136,17 @@ def main(argv=None) -> int:
         print("top functions by own samples:")
         for frame, n in s["top"]:
             print(f"  {n / max(1, s['samples']):6.1%}  {frame}")
+        if "threads1" in holder:
+            (t0, a), (t1, b) = holder["threads0"], holder["threads1"]
+            print("server threads (cores over the profiled window; tid = pid is the event loop):")
+            rows = []
+            for tid, (name, cpu, wait) in b.items():
+                if tid in a:
+                    rows.append((tid, name, (cpu - a[tid][1]) / (t1 - t0), (wait - a[tid][2]) / (t1 - t0)))
+            for tid, name, cpu, wait in sorted(rows, key=lambda r: -r[2]):
+                if cpu >= 0.01 or wait >= 0.01:
+                    role = "event loop" if tid == pid else name
+                    print(f"  {role:16s} tid {tid:<8d} on a CPU {cpu:5.2f}   runnable, waiting for a CPU {wait:5.2f}")
         return 0
     finally:
         engine.close()

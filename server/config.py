@@ -114,7 +114,11 @@ class EngineConfig:
     dispatch_timeout_ms: float = opt(1.0, "a batch closes this long after its first query when "
                                           "the index is busy (an idle index searches at once)")
     dense_workers: int = opt(0, "faiss calls that may run at once per shard; 0 = one per core "
-                                "(up to 4) for an index on the CPU, one for an index on a GPU")
+                                "beyond the first (the front end's), up to 4, for an index on "
+                                "the CPU; one for an index on a GPU")
+    device_nice: int = opt(10, "niceness added to the threads that search a CPU index, so the "
+                               "event loop every request passes through runs first when cores "
+                               "are short (0 = same priority as the rest)")
     search_threads: int = opt(8, "threads for BM25, record reads and writes")
     record_cache_rows: int = opt(50_000, "chunk records (text, ids, metadata) each shard keeps in "
                                          "memory for the hits it ships, least recently used out "

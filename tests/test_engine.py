@@ -317,7 +317,7 @@ def test_the_packed_record_read_equals_the_row_by_row_read(tmp_path, monkeypatch
     store.close()
 
 
-def test_batches_run_one_at_a_time_on_a_gpu_and_one_per_core_on_the_cpu(monkeypatch):
+def test_batches_run_one_at_a_time_on_a_gpu_and_one_per_spare_core_on_the_cpu(monkeypatch):
     import os
 
     from server.core.engine.local import dense_workers
@@ -325,8 +325,10 @@ def test_batches_run_one_at_a_time_on_a_gpu_and_one_per_core_on_the_cpu(monkeypa
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert dense_workers(0, "cpu") == 4 and dense_workers(0, "cuda:0") == 1
     assert dense_workers(3, "cuda:0") == 3         # a configured number wins
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert dense_workers(0, "cpu") == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert dense_workers(0, "cpu") == 2             # one core left to the front end
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert dense_workers(0, "cpu") == 1
 
 
 def test_the_read_write_lock_shares_reads_and_lets_a_waiting_writer_go_first():
@@ -363,3 +365,158 @@ def test_the_read_write_lock_shares_reads_and_lets_a_waiting_writer_go_first():
     w.join(10)
     r.join(10)
     assert order == ["two readers", "writer", "late reader"]
+
+
+def test_a_failed_batch_fails_its_queries_and_the_shard_keeps_serving(engine_build, rng):
+    """The device thread's failure comes back through the loop callback to every query of its
+    batch (and only those); the next batch runs; a shard whose device pool is gone answers
+    UNAVAILABLE instead of hanging."""
+    from server.errors import Unavailable
+
+    data, desc = engine_build
+    shard, pools = open_shard(data, desc, dense_workers=1)
+    v = rng.standard_normal((3, desc.dim)).astype(np.float32)
+    inner = shard.index.search_group
+    calls = []
+
+    def flaky(queries, lexical_map=map):
+        calls.append(len(queries))
+        if len(calls) == 1:
+            raise RuntimeError("device fault")
+        return inner(queries, lexical_map)
+
+    shard.index.search_group = flaky
+
+    async def go():
+        first = await asyncio.gather(shard.search([query(desc, "alpha", v[0])]),
+                                     return_exceptions=True)
+        second = await shard.search([query(desc, "alpha", v[1])])
+        shard._device.shutdown(wait=True)
+        (refused,) = await shard.search([query(desc, "alpha", v[2])])  # its slot's error
+        assert isinstance(refused, Unavailable)
+        return first[0], second[0]
+
+    try:
+        failed, ok = asyncio.run(go())
+    finally:
+        shard.index.close()
+        pools.close()
+    assert isinstance(failed, RuntimeError) and "device fault" in str(failed)
+    want = inner([query(desc, "alpha", v[1])])[0]
+    assert [c.chunk_id for c in ok.dense] == [c.chunk_id for c in want.dense]
+    assert shard.scheduler._running == 0                      # no batch left counted as running
+
+
+def test_a_lone_coroutine_is_awaited_in_place_with_gathers_semantics():
+    from server.core.pipeline import gather
+
+    async def ok(x):
+        return x
+
+    async def bad():
+        raise ValueError("boom")
+
+    async def go():
+        assert await gather([ok(1)]) == [1]
+        assert await gather([ok(1), ok(2)]) == [1, 2]
+        assert await gather([]) == []
+        (err,) = await gather([bad()], return_exceptions=True)
+        assert isinstance(err, ValueError)
+        with pytest.raises(ValueError):
+            await gather([bad()])
+        got = await gather([ok(1), bad()], return_exceptions=True)
+        assert got[0] == 1 and isinstance(got[1], ValueError)
+
+    asyncio.run(go())
+
+
+def test_memoised_metric_children_are_the_registered_ones():
+    from server.core import metrics
+
+    child = metrics.labelled(metrics.REQUESTS, "TestMethod", "OK")
+    assert child is metrics.labelled(metrics.REQUESTS, "TestMethod", "OK")
+    before = metrics.REQUESTS.labels("TestMethod", "OK")._value.get()
+    child.inc()
+    assert metrics.REQUESTS.labels("TestMethod", "OK")._value.get() == before + 1
+
+
+def test_a_backlog_of_full_batches_uses_the_burst_workers_and_a_trickle_does_not():
+    """Single-query traffic keeps to `workers` batches at a time (a core stays with the front
+    end); once a full batch's worth of queries waits (a SearchBatch), up to `burst_workers` run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.core.engine.local import burst_workers, dense_workers
+    from server.core.engine.scheduler import SearchScheduler
+
+    running, peak, lock = [0], [0], threading.Lock()
+    release = threading.Event()
+
+    def run_group(queries):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        release.wait(10)
+        with lock:
+            running[0] -= 1
+        return [q * 10 for q in queries]
+
+    class Q(int):
+        restriction = ("same",)
+
+    pool = ThreadPoolExecutor(2)
+
+    async def go():
+        s = SearchScheduler(run_group, pool, ("unit", "0"), max_batch=4, dispatch_timeout_ms=1.0,
+                            workers=1, burst_workers=2)
+        first = s.submit(Q(1), None)                       # idle: runs at once
+        trickle = [s.submit(Q(i), None) for i in (2, 3, 4)]
+        await asyncio.sleep(0.05)                          # past the dispatch timeout
+        peak_trickle = peak[0]
+        backlog = [s.submit(Q(i), None) for i in (5, 6, 7, 8, 9)]  # now >= 4 wait
+        for _ in range(200):
+            if peak[0] == 2:
+                break
+            await asyncio.sleep(0.01)
+        peak_backlog = peak[0]
+        release.set()
+        got = await asyncio.gather(first, *trickle, *backlog)
+        await s.close()
+        return peak_trickle, peak_backlog, got
+
+    try:
+        peak_trickle, peak_backlog, got = asyncio.run(go())
+    finally:
+        pool.shutdown()
+    assert peak_trickle == 1 and peak_backlog == 2
+    assert got == [i * 10 for i in range(1, 10)]             # every caller its own answer
+    # the CPU rule: one core left to the front end, every core for a backlog, 1 on a GPU
+    import os
+    assert burst_workers(0, "cuda:0") == 1 and burst_workers(3, "cpu") == 3
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert burst_workers(0, "cpu") == max(1, min(4, n)) >= dense_workers(0, "cpu")
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "setpriority"), reason="no per-thread priority")
+def test_the_threads_that_search_a_cpu_index_run_below_the_event_loops_priority(engine_build, rng):
+    import os
+
+    data, desc = engine_build
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = {}
+    for nice in (7, 0):
+        shard, pools = open_shard(data, desc, device_nice=nice)
+        inner = shard.index.search_group
+
+        def spy(queries, lexical_map=map, nice=nice):
+            seen[nice] = os.getpriority(os.PRIO_PROCESS, 0)  # this (device) thread's own
+            return inner(queries, lexical_map)
+
+        shard.index.search_group = spy
+        try:
+            asyncio.run(shard.search([query(desc, "alpha", rng.standard_normal(desc.dim))]))
+        finally:
+            asyncio.run(shard.close())
+            pools.close()
+    assert seen[7] == min(19, base + 7)                   # lowered, relative to the process's
+    assert seen[0] == base                                # 0 leaves it alone
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base     # the caller's thread is untouched

@@ -106,11 +106,20 @@ class Device:
             return index, "cpu"
 
 
-def faiss_threads_initializer(n: int):
+def faiss_threads_initializer(n: int, nice: int = 0):
     """For a ThreadPoolExecutor's `initializer`: libgomp's thread count is per calling thread, so
-    faiss.omp_set_num_threads in the main thread does not reach the worker threads that search."""
+    faiss.omp_set_num_threads in the main thread does not reach the worker threads that search.
+    `nice` > 0 lowers the worker threads' CPU priority by that much (Linux: per thread) so that,
+    when cores are short, the event loop - the one thread every request passes through - runs
+    first."""
     def init() -> None:
         faiss.omp_set_num_threads(max(1, n))
+        if nice > 0 and hasattr(os, "setpriority"):
+            try:
+                # relative to the process's own; 0 = this thread (Linux: per thread)
+                os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
+            except OSError:
+                pass  # a priority the platform refuses is a lost optimisation, not an error
 
     return init
 

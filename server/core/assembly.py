@@ -40,7 +40,7 @@ class ContextAssembler:
         if rec.tenant != self.tenant:
             self.dropped.append((hit, "tenant_mismatch"))
             return False
-        if not self.readable.intersection(rec.acl):
+        if self.readable.isdisjoint(rec.acl):
             self.dropped.append((hit, "acl_mismatch"))
             return False
         if self.dedupe:

@@ -80,17 +80,17 @@ class MicroBatcher(Generic[T, R]):
         pending = _Pending(item, max(1, min(cost, self.max_tokens)), deadline, loop.create_future(),
                            loop.time(), background)
         self._put(pending)
-        metrics.QUEUE_DEPTH.labels(self.name).set(self._depth())
+        metrics.labelled(metrics.QUEUE_DEPTH, self.name).set(self._depth())
         return await pending.future
 
     def _alive(self, p: _Pending, now: float) -> bool:
         if p.future.done():  # the caller cancelled
             self.dropped += 1
-            metrics.BATCH_DROPPED.labels(self.name, "cancelled").inc()
+            metrics.labelled(metrics.BATCH_DROPPED, self.name, "cancelled").inc()
             return False
         if p.deadline is not None and now >= p.deadline:
             self.dropped += 1
-            metrics.BATCH_DROPPED.labels(self.name, "deadline").inc()
+            metrics.labelled(metrics.BATCH_DROPPED, self.name, "deadline").inc()
             p.future.set_exception(DeadlineExceeded(f"deadline passed while queued for {self.name}"))
             return False
         return True
@@ -152,13 +152,13 @@ class MicroBatcher(Generic[T, R]):
             batch = await self._next_batch()
             if batch is None:
                 return
-            metrics.QUEUE_DEPTH.labels(self.name).set(self._depth())
+            metrics.labelled(metrics.QUEUE_DEPTH, self.name).set(self._depth())
             if not batch:
                 continue
             now = loop.time()
             for p in batch:
-                metrics.STAGE_SECONDS.labels(f"{self.name}_queue").observe(now - p.enqueued)
-            metrics.BATCH_SIZE.labels(self.name).observe(len(batch))
+                metrics.labelled(metrics.STAGE_SECONDS, f"{self.name}_queue").observe(now - p.enqueued)
+            metrics.labelled(metrics.BATCH_SIZE, self.name).observe(len(batch))
             self.batches += 1
             try:
                 results = await loop.run_in_executor(self._device, self.fn, [p.item for p in batch])

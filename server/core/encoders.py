@@ -75,9 +75,9 @@ class Encoders:
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
-            metrics.EMBED_CACHE.labels("hit").inc()
+            metrics.labelled(metrics.EMBED_CACHE, "hit").inc()
             return cached
-        metrics.EMBED_CACHE.labels("miss").inc()
+        metrics.labelled(metrics.EMBED_CACHE, "miss").inc()
         vec, tokens = await self.embed_batcher.submit(text, self._estimate(text), deadline, background)
         if tokens is not None and tokens > self.embedder.max_length and notes is not None:
             notes.append(f"query has {tokens} tokens; embedded its first {self.embedder.max_length}")

@@ -65,6 +65,20 @@ RETRIEVAL_CACHE = Counter("search_retrieval_cache_total", "Retrieval cache looku
 EMBED_CACHE = Counter("search_embedding_cache_total", "Query-embedding cache lookups", ["result"])
 
 
+_CHILDREN: dict = {}
+
+
+def labelled(metric, *values: str):
+    """`metric.labels(*values)`, memoised: prometheus_client checks and locks on every labels()
+    call (~4 us), which the query path would pay several times per request. Label values on the
+    query path come from small fixed sets (stages, methods and codes, shard numbers)."""
+    key = (metric, values)
+    child = _CHILDREN.get(key)
+    if child is None:
+        child = _CHILDREN[key] = metric.labels(*values)
+    return child
+
+
 class RecentLatencies:
     """The last `window` observations per stage, for on-demand percentiles."""
 
@@ -73,7 +87,7 @@ class RecentLatencies:
         self._lock = threading.Lock()
 
     def observe(self, stage: str, seconds: float) -> None:
-        STAGE_SECONDS.labels(stage).observe(seconds)
+        labelled(STAGE_SECONDS, stage).observe(seconds)
         with self._lock:
             self._data[stage].append(seconds)
 

@@ -41,6 +41,19 @@ SCORE_KINDS = {"ip": "cosine", "l2": "l2"}
 FAIL_FAST = (InvalidArgument, FailedPrecondition)  # the request's or the build's fault: not partial
 
 
+async def gather(coros: Sequence, return_exceptions: bool = False) -> list:
+    """asyncio.gather, awaiting a lone coroutine in place: a single Search would otherwise pay a
+    task (and a loop turn) at every stage for nothing to run beside."""
+    if len(coros) != 1:
+        return await asyncio.gather(*coros, return_exceptions=return_exceptions)
+    if not return_exceptions:
+        return [await coros[0]]
+    try:
+        return [await coros[0]]
+    except Exception as exc:  # noqa: BLE001 - returned, as gather would
+        return [exc]
+
+
 @dataclass
 class _Query:
     """One query's state through the pipeline."""
@@ -90,17 +103,20 @@ class QueryPipeline:
         to_embed = [st for st in states if st.live and st.mode != "lexical" and st.q.vector is None]
         if to_embed:
             self._check_deadline(deadline, "embed")
-            await asyncio.gather(*(self._embed(st, deadline) for st in to_embed))
+            await gather([self._embed(st, deadline) for st in to_embed])
             t = self._lap(states, "embed", t)
         for st in states:
             if st.live:
                 st.sq = self._shard_query(st, tenant, acl_scopes)
         await self._retrieve(states, deadline)
         t = self._lap(states, "retrieve", t)
+        hybrid = False
         for st in states:
             if st.live:
                 self._fuse(st)
-        t = self._lap(states, "fusion", t)
+                hybrid = hybrid or st.mode == "hybrid"
+        if hybrid:  # a single retriever's "fusion" is a truncation: not a stage worth a sample
+            t = self._lap(states, "fusion", t)
         feedback = [st for st in states if st.live and st.mode == "hybrid" and self._feedback_k(st)]
         if feedback:
             await self._dense_feedback(feedback, tenant, acl_scopes, deadline)
@@ -110,8 +126,7 @@ class QueryPipeline:
         if expand:
             await self._lexical_feedback(expand, tenant, acl_scopes, deadline)
             t = self._lap(expand, "lexical_feedback", t)
-        await asyncio.gather(*(self._finish(st, tenant, acl_scopes, deadline)
-                               for st in states if st.live), return_exceptions=False)
+        await gather([self._finish(st, tenant, acl_scopes, deadline) for st in states if st.live])
         total = (time.perf_counter() - t_start) * 1e3
         out = []
         for st in states:
@@ -145,13 +160,13 @@ class QueryPipeline:
             cached = self._cache.get(st.cache_key)
             if cached is not None:
                 self._cache.move_to_end(st.cache_key)
-                metrics.RETRIEVAL_CACHE.labels("hit").inc()
+                metrics.labelled(metrics.RETRIEVAL_CACHE, "hit").inc()
                 st.result = SearchResult(cached.hits, cached.build_id, cached.corpus_version,
                                          cached.model_id, {"cache": 0.0}, cached.partial,
                                          cached.shard_errors, None,
                                          cached.notes + ["retrieval cache hit"], cached.context_tokens)
                 return
-            metrics.RETRIEVAL_CACHE.labels("miss").inc()
+            metrics.labelled(metrics.RETRIEVAL_CACHE, "miss").inc()
 
     def _cache_key(self, st: _Query, tenant: str, acl_scopes: tuple) -> Optional[tuple]:
         """Everything the answer depends on, including every shard's index version (which moves
@@ -202,8 +217,7 @@ class QueryPipeline:
         if not by_coll:
             return
         self._check_deadline(deadline, "retrieval")
-        await asyncio.gather(*(self._fan_out(group[0].coll, group, deadline)
-                               for group in by_coll.values()))
+        await gather([self._fan_out(group[0].coll, group, deadline) for group in by_coll.values()])
 
     async def _fan_out(self, coll: LoadedCollection, group: list[_Query], deadline: Optional[float],
                        feedback: Optional[list[ShardQuery]] = None) -> list[list]:
@@ -213,8 +227,7 @@ class QueryPipeline:
         loop = asyncio.get_running_loop()
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
         sqs = [st.sq for st in group] if feedback is None else feedback
-        calls = await asyncio.gather(*(s.search(sqs, timeout) for s in coll.shards),
-                                     return_exceptions=True)
+        calls = await gather([s.search(sqs, timeout) for s in coll.shards], return_exceptions=True)
         per_query: list[list] = [[] for _ in group]
         for shard, answer in zip(coll.shards, calls):
             if isinstance(answer, BaseException):
@@ -311,7 +324,7 @@ class QueryPipeline:
             vecs = [c.vector for c in got.values() if c.vector is not None]
             return np.mean(vecs, axis=0) if vecs else None
 
-        means = await asyncio.gather(*(vectors_of(st) for st in states))
+        means = await gather([vectors_of(st) for st in states])
         todo, sqs = [], []
         for st, mean in zip(states, means):
             if mean is None:
@@ -375,8 +388,8 @@ class QueryPipeline:
                     by_id[c.chunk_id] = c
             picks.append([(by_id[cid], score) for cid, score in ranked[:self._lexical_feedback_k(st)]
                           if cid in by_id])
-        texts = await asyncio.gather(*(self._feedback_texts(st, p, tenant, acl_scopes, deadline)
-                                       for st, p in zip(states, picks)))
+        texts = await gather([self._feedback_texts(st, p, tenant, acl_scopes, deadline)
+                              for st, p in zip(states, picks)])
         top_weight = min(max(self.config.lexical_feedback_weight, 1e-3), limits.MAX_TERM_WEIGHT)
 
         async def expand(st: _Query, docs: list[tuple[str, float]]):
@@ -391,7 +404,7 @@ class QueryPipeline:
                 st.notes.append(f"lexical feedback skipped: {type(exc).__name__}")
                 return ()
 
-        expansions = await asyncio.gather(*(expand(st, d) for st, d in zip(states, texts)))
+        expansions = await gather([expand(st, d) for st, d in zip(states, texts)])
         todo, sqs, notes = [], [], {}
         for st, docs, expansion in zip(states, texts, expansions):
             if not expansion:
@@ -530,9 +543,9 @@ class QueryPipeline:
         loop = asyncio.get_running_loop()
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
         shards = {s.shard_no: s for s in st.coll.shards}
-        got = await asyncio.gather(*(
+        got = await gather([
             shards[n].fetch(FetchRequest(st.sq.build_id, tenant, acl_scopes, tuple(rows), with_vectors),
-                            timeout) for n, rows in per_shard.items()), return_exceptions=tolerant)
+                            timeout) for n, rows in per_shard.items()], return_exceptions=tolerant)
         return {(n, c.record.row): c for n, batch in zip(per_shard, got)
                 if not isinstance(batch, BaseException) for c in batch}
 

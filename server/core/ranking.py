@@ -11,6 +11,10 @@ from typing import Iterable, Optional, Sequence
 from server.core.types import Candidate
 
 
+def _best_first(c: Candidate) -> tuple:
+    return -c.score, c.chunk_id
+
+
 def merge_topk(per_shard: Iterable[Sequence[Candidate]], k: int) -> list[Candidate]:
     """Global top-k of per-shard lists that are each sorted best first (higher score is better).
 
@@ -18,8 +22,13 @@ def merge_topk(per_shard: Iterable[Sequence[Candidate]], k: int) -> list[Candida
     twice (it cannot be, with document sharding, but a replica mix-up must not duplicate) is kept
     once, at its best score.
     """
-    best = heapq.nsmallest(k * 2 if k else 0, (c for lst in per_shard for c in lst),
-                           key=lambda c: (-c.score, c.chunk_id))
+    items = [c for lst in per_shard for c in lst]
+    if not k or not items:
+        return []
+    # a full sort is cheaper than a heap for the short lists one or two shards return (and the
+    # lists arrive sorted, which Timsort merges in one pass)
+    best = (sorted(items, key=_best_first) if len(items) <= 8 * k
+            else heapq.nsmallest(k * 2, items, key=_best_first))
     out, seen = [], set()
     for c in best:
         if c.chunk_id in seen:

@@ -211,7 +211,7 @@ class ReplicaSet:
         ms = (time.perf_counter() - t0) * 1e3
         self._success(i, ms)
         self.latency.observe(ms)
-        metrics.SHARD_SECONDS.labels(str(self.shard_no), name).observe(ms / 1e3)
+        metrics.labelled(metrics.SHARD_SECONDS, str(self.shard_no), name).observe(ms / 1e3)
         return result
 
     def _check_build(self, i: int, exc: SearchError) -> bool:
@@ -266,7 +266,7 @@ class ReplicaSet:
                         self._tokens -= 1.0
                         hedged_index = launch()
                         self.stats["hedges"] += 1
-                        metrics.HEDGES_SENT.labels(str(self.shard_no)).inc()
+                        metrics.labelled(metrics.HEDGES_SENT, str(self.shard_no)).inc()
                     continue
                 for task in done:
                     i, _ = running.pop(task)
@@ -281,7 +281,7 @@ class ReplicaSet:
                         else:
                             if i == hedged_index:
                                 self.stats["hedges_won"] += 1
-                                metrics.HEDGES_WON.labels(str(self.shard_no)).inc()
+                                metrics.labelled(metrics.HEDGES_WON, str(self.shard_no)).inc()
                                 for j, t0 in running.values():  # the first attempt a later hedge
                                     if j != hedged_index:       # beat: slow evidence against it
                                         self._strike(j, (time.perf_counter() - t0) * 1e3)

@@ -170,7 +170,7 @@ class ShardResult:
     batch_size: int = 1         # queries in the batched search that answered this one
 
 
-@dataclass
+@dataclass(slots=True)
 class RankedHit:
     candidate: Candidate
     score: float

@@ -88,14 +88,17 @@ class Lifecycle:
         self._tasks: set[asyncio.Task] = set()
         self._last_refusal = 0.0
 
-    def enter(self) -> None:
+    def enter(self) -> asyncio.Task:
+        """Admit the calling task (the call's handler); returns it, for `leave`."""
         if self.draining:
             self._last_refusal = asyncio.get_running_loop().time()
             raise errors.Unavailable("the server is shutting down; retry")
-        self._tasks.add(asyncio.current_task())
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        return task
 
-    def leave(self) -> None:
-        self._tasks.discard(asyncio.current_task())
+    def leave(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
 
     async def drain(self, grace: float) -> int:
         """Stop admitting calls, wait up to `grace` seconds for running ones; returns how many
@@ -133,10 +136,9 @@ def boundary(method: str):
         @functools.wraps(fn)
         async def handler(self, request, context):
             lifecycle: Lifecycle = self.lifecycle
-            entered = False
+            entered = None
             try:
-                lifecycle.enter()
-                entered = True
+                entered = lifecycle.enter()
                 if isinstance(request, Malformed):
                     raise errors.InvalidArgument(f"request is not a valid {request.message_type}: "
                                                  f"{type(request.error).__name__}")
@@ -147,27 +149,27 @@ def boundary(method: str):
                     # the core's own DeadlineExceeded by a hair: count it by what happened.
                     remaining = context.time_remaining()
                     expired = remaining is not None and remaining <= 0
-                    metrics.REQUESTS.labels(method, "DEADLINE_EXCEEDED" if expired
-                                            else "CANCELLED").inc()
+                    metrics.labelled(metrics.REQUESTS, method,
+                                     "DEADLINE_EXCEEDED" if expired else "CANCELLED").inc()
                     raise  # the client went away, or its deadline did
-                metrics.REQUESTS.labels(method, "UNAVAILABLE").inc()
+                metrics.labelled(metrics.REQUESTS, method, "UNAVAILABLE").inc()
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     "the server shut down before answering; retry")
             except errors.SearchError as exc:
                 code = status_for(exc)
-                metrics.REQUESTS.labels(method, code.name).inc()
+                metrics.labelled(metrics.REQUESTS, method, code.name).inc()
                 await context.abort(code, str(exc))
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # a bug: report INTERNAL, keep serving
                 log.exception("unexpected error in %s", method)
-                metrics.REQUESTS.labels(method, "INTERNAL").inc()
+                metrics.labelled(metrics.REQUESTS, method, "INTERNAL").inc()
                 await context.abort(grpc.StatusCode.INTERNAL,
                                     f"internal error in {method}: {type(exc).__name__}")
             finally:
-                if entered:
-                    lifecycle.leave()
-            metrics.REQUESTS.labels(method, "OK").inc()
+                if entered is not None:
+                    lifecycle.leave(entered)
+            metrics.labelled(metrics.REQUESTS, method, "OK").inc()
             return response
 
         return handler

@@ -46,15 +46,32 @@ class EnginePools:
 
 def dense_workers(configured: int, placement: str) -> int:
     """Batches a shard may run at once. A GPU index is one device queue: one batch at a time, the
-    next one filling meanwhile. On the CPU a batch runs on one faiss thread, leaving the other
-    cores idle unless batches overlap (and an HNSW batch costs the same per query at any size),
-    so one worker per core (measured: ~1.6x the queries/s of one worker at 64 callers, 2 cores)."""
+    next one filling meanwhile. On the CPU a batch runs on one faiss thread, so batches overlap
+    to use more cores - but not the front end's: its event loop (gRPC, the query pipeline) needs
+    a core of its own, so one worker per core beyond the first, up to 4. Measured on 2 cores
+    through gRPC (docs/BENCHMARKS.md): one worker answers 20-28% more queries/s at 64 callers
+    than two, whose threads took CPU from the event loop (in process, with no front end to feed,
+    two were faster)."""
     if configured > 0:
         return configured
     if placement != "cpu":
         return 1
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                      else (os.cpu_count() or 1)))
+    return max(1, min(4, _cores() - 1))
+
+
+def burst_workers(configured: int, placement: str) -> int:
+    """Batches a shard may run at once while a backlog of full batches waits (a SearchBatch, a
+    burst): then throughput is what counts, and every core searches (up to 4)."""
+    if configured > 0:
+        return configured
+    if placement != "cpu":
+        return 1
+    return max(1, min(4, _cores()))
+
+
+def _cores() -> int:
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1))
 
 
 class LocalShard:
@@ -66,13 +83,18 @@ class LocalShard:
         self.config = config
         self.pools = pools
         labels = (index.desc.collection, str(index.shard_no))
-        workers = (dense_workers(config.dense_workers, index.dense.placement) if config.batching
+        placement = index.dense.placement
+        workers = (dense_workers(config.dense_workers, placement) if config.batching
                    else max(1, config.search_threads))
-        self._device = ThreadPoolExecutor(workers, thread_name_prefix=f"engine-dev{index.shard_no}",
-                                          initializer=faiss_threads_initializer(pools.faiss_threads))
+        burst = burst_workers(config.dense_workers, placement) if config.batching else workers
+        nice = config.device_nice if placement == "cpu" else 0
+        self._device = ThreadPoolExecutor(burst, thread_name_prefix=f"engine-dev{index.shard_no}",
+                                          initializer=faiss_threads_initializer(pools.faiss_threads,
+                                                                                nice))
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"writer-{index.shard_no}")
         self.scheduler = SearchScheduler(self._run_group, self._device, labels, config.batching,
-                                         config.max_batch, config.dispatch_timeout_ms, workers)
+                                         config.max_batch, config.dispatch_timeout_ms, workers,
+                                         burst)
         self.writes = WriteQueue(index.apply_writes, self._writer, labels, apply_batch)
         self._applied: Optional[asyncio.Condition] = None
         # set by a write-log consumer (server/replication/log.py): this replica applies a log, and
@@ -114,15 +136,23 @@ class LocalShard:
             except SearchError as exc:
                 answers[i] = exc
         if futures:
+            # one waiter for all of them (no gather, no task): the hot path of every search
+            pending = list(futures.values())
             try:
-                done = await asyncio.wait_for(asyncio.gather(*futures.values(), return_exceptions=True),
-                                              timeout)
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(f"shard {self.shard_no} did not answer within the deadline") from None
-            for i, r in zip(futures, done):
-                if isinstance(r, BaseException) and not isinstance(r, SearchError):
-                    raise r
-                answers[i] = r
+                _, late = await asyncio.wait(pending, timeout=timeout)
+            except asyncio.CancelledError:  # the caller went away: the scheduler drops its queries
+                for f in pending:
+                    f.cancel()
+                raise
+            if late:
+                for f in late:
+                    f.cancel()
+                raise DeadlineExceeded(f"shard {self.shard_no} did not answer within the deadline")
+            for i, f in futures.items():
+                error = f.exception()
+                if error is not None and not isinstance(error, SearchError):
+                    raise error
+                answers[i] = f.result() if error is None else error
         return answers
 
     async def wait_applied(self, seq: int, deadline: Optional[float]) -> None:

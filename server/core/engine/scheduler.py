@@ -9,8 +9,10 @@ Search policy (`SearchScheduler`):
 - a group is ready to go when it holds `max_batch` queries, when its first query has waited
   `dispatch_timeout_ms`, or at once when no batch of this shard is running: an idle index pays no
   dispatch delay, and while batches run the next ones fill (continuous batching);
-- at most `dense_workers` batches run at a time (one per device queue); the oldest ready group
-  goes first;
+- at most `workers` batches run at a time (one per device queue), and up to `burst_workers`
+  while a full batch's worth of queries waits behind them (a backlog, e.g. a SearchBatch: every
+  core searches; under single-query traffic a core stays with the front end); the oldest ready
+  group goes first;
 - queries whose caller has gone (cancelled) or whose deadline has passed are dropped before the
   index call, and counted;
 - batch sizes, queue waits and queue depth are exported per shard.
@@ -44,7 +46,8 @@ class _Pending:
 class SearchScheduler:
     def __init__(self, run_group: Callable[[Sequence[ShardQuery]], list[ShardResult]],
                  device: Executor, labels: tuple[str, str], batching: bool = True,
-                 max_batch: int = 64, dispatch_timeout_ms: float = 1.0, workers: int = 1):
+                 max_batch: int = 64, dispatch_timeout_ms: float = 1.0, workers: int = 1,
+                 burst_workers: int = 0):
         self.run_group = run_group
         self.device = device
         self.labels = labels
@@ -52,6 +55,8 @@ class SearchScheduler:
         self.max_batch = max_batch if batching else 1
         self.dispatch_timeout = dispatch_timeout_ms / 1e3
         self.workers = max(1, workers)
+        self.burst_workers = max(self.workers, burst_workers)
+        self._depth = 0  # queries queued, not yet handed to the device
         self._groups: OrderedDict[tuple, deque[_Pending]] = OrderedDict()
         self._running = 0
         self._timer: Optional[asyncio.TimerHandle] = None
@@ -59,6 +64,11 @@ class SearchScheduler:
         self._idle: Optional[asyncio.Event] = None
         self.batches = 0
         self.queries = 0
+        # the metric children this scheduler writes, bound once (labels() costs ~4 us a call)
+        self._m_depth = metrics.ENGINE_QUEUE_DEPTH.labels(*labels)
+        self._m_wait = metrics.ENGINE_QUEUE_SECONDS.labels(*labels)
+        self._m_batch = metrics.ENGINE_BATCH.labels(*labels)
+        self._m_dropped = {r: metrics.ENGINE_DROPPED.labels(*labels, r) for r in ("deadline", "cancelled")}
 
     def submit(self, query: ShardQuery, deadline: Optional[float]) -> asyncio.Future:
         """Queue one query; the future resolves to its ShardResult (or the batch's error)."""
@@ -71,16 +81,21 @@ class SearchScheduler:
         if group is None:
             group = self._groups[key] = deque()
         group.append(p)
+        self._depth += 1
         self._pump()
         return p.future
 
     def depth(self) -> int:
-        return sum(len(g) for g in self._groups.values())
+        return self._depth
+
+    def _slots(self) -> int:
+        """Batches allowed to run now: the burst allowance while a full batch's worth waits."""
+        return self.burst_workers if self._depth >= self.max_batch else self.workers
 
     def _pump(self) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
-        while self._groups and (self._running < self.workers or not self.batching):
+        while self._groups and (not self.batching or self._running < self._slots()):
             key, group = next(iter(self._groups.items()))
             ready = (not self.batching or self._running == 0 or len(group) >= self.max_batch
                      or now - group[0].enqueued >= self.dispatch_timeout)
@@ -90,14 +105,14 @@ class SearchScheduler:
             batch = []
             while group and len(batch) < self.max_batch:
                 p = group.popleft()
+                self._depth -= 1
                 if self._alive(p, now):
                     batch.append(p)
             if not group:
                 del self._groups[key]
             if batch:
-                self._running += 1
-                loop.create_task(self._run(batch))
-        metrics.ENGINE_QUEUE_DEPTH.labels(*self.labels).set(self.depth())
+                self._start(batch, loop, now)
+        self._m_depth.set(self.depth())
 
     def _arm(self, when: float) -> None:
         loop = asyncio.get_running_loop()
@@ -113,33 +128,49 @@ class SearchScheduler:
 
     def _alive(self, p: _Pending, now: float) -> bool:
         if p.deadline is not None and now >= p.deadline:
-            metrics.ENGINE_DROPPED.labels(*self.labels, "deadline").inc()
+            self._m_dropped["deadline"].inc()
             if not p.future.done():
                 p.future.set_exception(DeadlineExceeded("deadline passed while queued for the index"))
             return False
         if p.future.done():  # the caller went away (a cancelled request or a hedge's loser)
-            metrics.ENGINE_DROPPED.labels(*self.labels, "cancelled").inc()
+            self._m_dropped["cancelled"].inc()
             return False
         return True
 
-    async def _run(self, batch: list[_Pending]) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+    def _start(self, batch: list[_Pending], loop: asyncio.AbstractEventLoop, now: float) -> None:
+        """Hand one batch to the device. No task per batch: the device thread's completion comes
+        back as one loop callback (`_finish`) that answers every query of the batch."""
+        self._running += 1
         for p in batch:
-            metrics.ENGINE_QUEUE_SECONDS.labels(*self.labels).observe(now - p.enqueued)
-        metrics.ENGINE_BATCH.labels(*self.labels).observe(len(batch))
+            self._m_wait.observe(now - p.enqueued)
+        self._m_batch.observe(len(batch))
         self.batches += 1
         self.queries += len(batch)
         try:
-            results = await loop.run_in_executor(self.device, self.run_group,
-                                                 [p.query for p in batch])
-            for p, r in zip(batch, results):
-                if not p.future.done():
-                    p.future.set_result(r)
-        except Exception as exc:  # the whole batch shares its failure
-            for p in batch:
-                if not p.future.done():
-                    p.future.set_exception(exc)
+            done = self.device.submit(self.run_group, [p.query for p in batch])
+        except RuntimeError:  # the device pool is shut down (the shard is closing)
+            loop.call_soon(self._finish, batch, None,
+                           Unavailable("the shard's device pool is shut down"))
+            return
+        def back_to_loop(f) -> None:  # on the device thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._finish, batch, f, None)
+
+        done.add_done_callback(back_to_loop)
+
+    def _finish(self, batch: list[_Pending], done, error: Optional[BaseException]) -> None:
+        try:
+            if error is None:
+                error = (Unavailable("the shard's search was cancelled (shutting down)")
+                         if done.cancelled() else done.exception())
+            if error is None:
+                for p, r in zip(batch, done.result()):
+                    if not p.future.done():
+                        p.future.set_result(r)
+            else:  # the whole batch shares its failure
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(error)
         finally:
             self._running -= 1
             if self._idle is not None and not self._running and not self._groups:
