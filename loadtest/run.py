@@ -76,7 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--embedder", type=Path, default=None, help="server --embedder (model dir)")
     g.add_argument("--embedder-name", default=None, help="server --embedder-name")
     g.add_argument("--server-flags", default="",
-                   help="more flags for serve/router, e.g. '--retrieval-cache-size 0'")
+                   help="more flags for serve/router, e.g. '--max-inflight 64'")
+    g.add_argument("--retrieval-cache", action="store_true",
+                   help="keep the server's retrieval cache on. Off by default in servers this "
+                        "starts: the load cycles through a few queries, which the cache would "
+                        "answer from memory after the first pass, measuring the cache, not search")
     g.add_argument("--start-timeout", type=float, default=240.0,
                    help="seconds a server gets to start listening (default 240)")
     g = p.add_argument_group("load")
@@ -133,8 +137,12 @@ def demo_data(shards: int, rebuild: bool) -> Path:
 
 
 def model_flags(args) -> list[str]:
+    """Flags for the serve/router processes this run starts (the user's --server-flags last, so
+    they win)."""
     flags = ["--embedder", str(args.embedder)] if args.embedder else []
     flags += ["--embedder-name", args.embedder_name] if args.embedder_name else []
+    if not args.retrieval_cache:
+        flags += ["--retrieval-cache-size", "0"]
     return flags + shlex.split(args.server_flags)
 
 
@@ -260,6 +268,13 @@ def main(argv=None) -> int:
             print(f"run: the service did not start: {exc!r}", file=sys.stderr)
             return EXIT_NOT_STARTED
         before = router_counters(cluster.metrics_url) if cluster else None
+        if args.address:
+            print("note: a running service keeps its retrieval cache; with a few distinct queries "
+                  "it answers repeats from memory (start it with --retrieval-cache-size 0 to "
+                  "measure search)", flush=True)
+        elif not args.retrieval_cache:
+            print("retrieval cache off in the servers this run started: every request is searched "
+                  "(--retrieval-cache to keep it)", flush=True)
         args.address = address
         code = run_locust(args, address) if args.locust else openloop.run(args)
         if cluster:

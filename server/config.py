@@ -53,6 +53,8 @@ class ListenConfig:
                                               "(mutual TLS)")
     workers: int = opt(1, "gRPC front-end processes on the port (SO_REUSEPORT) feeding one engine "
                           "process that owns the indexes (serve only; 1 = everything in one process)")
+    event_loop: str = opt("auto", "asyncio event loop: uvloop, asyncio, or auto (uvloop where it "
+                                  "is installed)")
 
 
 @dataclass

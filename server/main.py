@@ -90,6 +90,10 @@ def main(argv=None) -> None:
     command = args.command if args.command != "frontend" else "serve"
     try:
         cfg = load_config(command if command != "config" else "config", args)
+        if args.command != "config":
+            from server.transport.app import event_loop_runner
+
+            event_loop_runner(cfg.listen.event_loop)  # a bad choice fails now, not after loading
     except ValueError as exc:
         raise SystemExit(f"search-server: {exc}")
     if args.command == "config":

@@ -3,7 +3,6 @@ its multi-process form (`serve --workers N`: an engine process and N front ends)
 (`shard`) and a router (`router`)."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -55,8 +54,9 @@ def run_serve(cfg: ServerConfig) -> None:
     embedder, reranker = load_models(cfg, device)
     core = SearchCore(cfg, embedder, reranker, device)
     core.load()
-    asyncio.run(app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
-                                  cfg.listen.metrics_port, tls=tls, grace=cfg.listen.shutdown_grace_s))
+    app.run(app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
+                              cfg.listen.metrics_port, tls=tls, grace=cfg.listen.shutdown_grace_s),
+            cfg.listen.event_loop)
 
 
 def run_frontend(cfg: ServerConfig, engine_socket: str) -> None:
@@ -66,9 +66,10 @@ def run_frontend(cfg: ServerConfig, engine_socket: str) -> None:
 
 
 def run_shard(cfg: ServerConfig) -> None:
+    from server.transport import app
     from server.transport.shard_server import serve_shard
 
-    asyncio.run(serve_shard(cfg, _device(cfg)))
+    app.run(serve_shard(cfg, _device(cfg)), cfg.listen.event_loop)
 
 
 def run_router(cfg: ServerConfig) -> None:
@@ -116,7 +117,7 @@ def run_router(cfg: ServerConfig) -> None:
         if write_log is not None:
             await write_log.close()
 
-    asyncio.run(main())
+    app.run(main(), cfg.listen.event_loop)
 
 
 def default_replica_id(cfg: ServerConfig) -> str:

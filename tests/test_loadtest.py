@@ -76,6 +76,19 @@ def test_open_loop_meets_generous_budget(demo, tmp_path):
     assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p999"] <= lat["max"]
     assert s["exit_code"] == 0 and not s["p99_over_budget"]
     assert "p99 within the budget" in proc.stdout
+    assert "retrieval cache off" in proc.stdout
+
+
+def test_servers_the_load_test_starts_search_every_request_unless_asked():
+    """A few demo queries cycled through: the retrieval cache would answer repeats from memory,
+    so the servers run.py starts get --retrieval-cache-size 0 (the user's flags still win)."""
+    from loadtest import run as runner
+
+    flags = runner.model_flags(runner.parse_args([]))
+    assert flags[flags.index("--retrieval-cache-size") + 1] == "0"
+    assert "--retrieval-cache-size" not in runner.model_flags(runner.parse_args(["--retrieval-cache"]))
+    mine = runner.model_flags(runner.parse_args(["--server-flags", "--retrieval-cache-size 64"]))
+    assert mine[-2:] == ["--retrieval-cache-size", "64"]              # last flag wins in argparse
 
 
 def test_open_loop_fails_impossible_budget(demo, tmp_path):

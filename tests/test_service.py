@@ -210,3 +210,37 @@ def test_shard_threads_search_with_one_openmp_thread(server):
     shard = server.core.registry.get("cran").shards[0]
     assert shard._device.submit(faiss.omp_get_max_threads).result(10) == 1   # batched searches
     assert server.core.pools.cpu.submit(faiss.omp_get_max_threads).result(10) == 1  # BM25 etc.
+
+
+def test_both_event_loops_serve_the_same_answers_and_a_bad_choice_fails_at_start(
+        small_collection, tiny_embedder_dir, tmp_path):
+    """`serve` runs on uvloop where it is installed (the default, `--event-loop auto`) or on
+    asyncio's own loop; both answer alike. An unknown loop is refused before anything loads."""
+    import subprocess
+    import sys
+
+    from harness.processes import REPO, ServiceProcess
+    from server.client import SearchClient
+
+    data, _ = small_collection
+    model = ["--embedder", str(tiny_embedder_dir), "--embedder-name", "tiny-test-embedder"]
+    answers, loops = {}, {}
+    for choice in ("auto", "asyncio"):
+        srv = ServiceProcess(["serve", "--data-dir", str(data), "--state-dir", str(tmp_path / choice),
+                              "--port", "0", "--device", "cpu", "--log-level", "WARNING",
+                              "--event-loop", choice, *model])
+        try:
+            loops[choice] = next(line for line in srv.lines if "listening on" in line)
+            client = SearchClient(srv.address)
+            answers[choice] = [[h.chunk_id for h in client.search(q, collection="cran").hits]
+                               for q in ("boundary layer", "heat transfer", "supersonic flow")]
+            client.channel.close()
+        finally:
+            srv.stop()
+    assert "[event loop: uvloop]" in loops["auto"]           # uvloop is a dependency on Linux
+    assert "[event loop: asyncio]" in loops["asyncio"]
+    assert answers["auto"] == answers["asyncio"] and all(answers["auto"])
+    bad = subprocess.run([sys.executable, "-m", "server.main", "serve", "--data-dir", str(data),
+                          "--event-loop", "twisted"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0 and "use one of auto, uvloop, asyncio" in bad.stderr

@@ -21,6 +21,38 @@ from server.transport.servicers import AdminServicer, SearchServicer
 
 log = logging.getLogger(__name__)
 
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def event_loop_runner(event_loop: str = "auto"):
+    """`asyncio.run` or `uvloop.run` for --event-loop; ValueError for a name it does not know or
+    uvloop asked for and missing (checked at start-up, before any index loads). uvloop (libuv)
+    runs the loop's own work - callbacks, timers, socket readiness - in C; the event loop is the
+    one thread every request passes through, and on 2 cores it answered 4-9% more queries/s
+    (docs/BENCHMARKS.md)."""
+    if event_loop not in EVENT_LOOPS:
+        raise ValueError(f"--event-loop {event_loop!r}: use one of {', '.join(EVENT_LOOPS)}")
+    if event_loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if event_loop == "uvloop":
+                raise ValueError("--event-loop uvloop: uvloop is not installed "
+                                 "(pip install uvloop)") from None
+        else:
+            return uvloop.run
+    return asyncio.run
+
+
+def run(main, event_loop: str = "auto"):
+    """Run a server's main coroutine to the end on the chosen event loop."""
+    return event_loop_runner(event_loop)(main)
+
+
+def loop_note() -> str:
+    """For the "listening on" line: which event loop serves (uvloop or asyncio)."""
+    return f" [event loop: {type(asyncio.get_running_loop()).__module__.split('.')[0]}]"
+
 SERVICES = (search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name,
             search_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name)
 
@@ -186,7 +218,7 @@ async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: 
     await core.start()
     running = await start_server(core, auth, host, port, tls, reuse_port)
     if ready_message:
-        print(f"search-server listening on {host}:{running.port}{note}", flush=True)
+        print(f"search-server listening on {host}:{running.port}{note}{loop_note()}", flush=True)
     tasks = [asyncio.get_running_loop().create_task(c) for c in tuple(background) + tuple(core.background())]
     try:
         await wait_for_signal_then_stop(running, grace)

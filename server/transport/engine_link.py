@@ -323,7 +323,7 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
                                          return_when=asyncio.FIRST_COMPLETED)
             if waiter in done and waiter.exception() is None:
                 print(f"search-server listening on {cfg.listen.host}:{port} ({cfg.listen.workers} "
-                      f"front-end processes, one engine){note}", flush=True)
+                      f"front-end processes, one engine){note}{app.loop_note()}", flush=True)
             await stop.wait()
         finally:
             for c in children:  # front ends drain their calls; the engine answers until they exit
@@ -340,7 +340,7 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
             await core.close()
 
     try:
-        asyncio.run(main())
+        app.run(main(), cfg.listen.event_loop)
     finally:
         try:
             os.unlink(path)
@@ -393,4 +393,4 @@ def run_frontend(cfg: ServerConfig, device, engine_socket: str) -> None:
                                 background=(announce_ready(),))
         await core.engine.close()
 
-    asyncio.run(main())
+    app.run(main(), cfg.listen.event_loop)

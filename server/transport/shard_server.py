@@ -141,7 +141,7 @@ async def serve_shard(cfg: ServerConfig, device: Device) -> None:
         tasks.append(loop.create_task(replica.follow_aliases(cfg.storage.alias_poll_s, swap)))
     desc = replica.local.desc
     print(f"shard server (shard {replica.shard_no} of {desc.collection}/{desc.build_id}) "
-          f"listening on {cfg.listen.host}:{running.port}{note}", flush=True)
+          f"listening on {cfg.listen.host}:{running.port}{note}{app.loop_note()}", flush=True)
     try:
         await app.wait_for_signal_then_stop(running, cfg.listen.shutdown_grace_s)
     finally:
