@@ -520,3 +520,93 @@ def test_the_threads_that_search_a_cpu_index_run_below_the_event_loops_priority(
     assert seen[7] == min(19, base + 7)                   # lowered, relative to the process's
     assert seen[0] == base                                # 0 leaves it alone
     assert os.getpriority(os.PRIO_PROCESS, 0) == base     # the caller's thread is untouched
+
+
+def test_a_dispatch_timer_fires_once_on_uvloops_millisecond_clock():
+    """uvloop's loop.time() counts whole milliseconds: read in the timer's own callback it can
+    sit just under the time the timer was set for. The scheduler takes the timer's time as now,
+    so a waiting group goes on the first firing instead of re-arming 0 ms timers."""
+    uvloop = pytest.importorskip("uvloop")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.core.engine.scheduler import SearchScheduler
+
+    release = threading.Event()
+
+    def run_group(queries):
+        if queries[0] == 1:
+            release.wait(10)
+        return list(queries)
+
+    class Q(int):
+        restriction = ("same",)
+
+    pool = ThreadPoolExecutor(2)
+    fired = []
+
+    async def go():
+        s = SearchScheduler(run_group, pool, ("unit", "0"), max_batch=8, dispatch_timeout_ms=1.0,
+                            workers=2)
+        inner = s._fire
+        s._fire = lambda when: (fired.append(when), inner(when))
+        first = s.submit(Q(1), None)           # idle: runs at once, held
+        second = await s.submit(Q(2), None)    # a slot is free: waits the dispatch timeout, goes
+        release.set()
+        return await first, second
+
+    try:
+        assert uvloop.run(go()) == (1, 2)
+    finally:
+        pool.shutdown()
+    assert 1 <= len(fired) <= 2
+
+
+def test_close_returns_when_a_running_batch_ends_and_every_queued_query_was_dropped(engine_build, rng):
+    data, desc = engine_build
+    shard, pools = open_shard(data, desc, dense_workers=1)
+    groups = GatedGroups(shard, hold_first=True)
+    v = rng.standard_normal((2, desc.dim)).astype(np.float32)
+
+    async def go():
+        busy = asyncio.ensure_future(shard.search([query(desc, "alpha", v[0])]))
+        await asyncio.get_running_loop().run_in_executor(None, groups.entered.wait, 10)
+        gone = asyncio.ensure_future(shard.search([query(desc, "alpha", v[1])]))
+        await asyncio.sleep(0)
+        gone.cancel()                          # queued behind the held batch, then dropped
+        closing = asyncio.ensure_future(shard.scheduler.close())
+        await asyncio.sleep(0)
+        groups.gate.set()
+        await busy
+        await asyncio.wait_for(closing, 10)    # hung forever before: idle was checked too early
+
+    try:
+        asyncio.run(go())
+    finally:
+        shard._device.shutdown(wait=True)
+        shard.index.close()
+        pools.close()
+    assert len(groups.batches) == 1
+
+
+def test_a_lone_call_cancelled_under_us_is_a_result_and_our_own_cancellation_propagates():
+    from server.core.pipeline import gather
+
+    async def cancelled_inside():
+        raise asyncio.CancelledError()        # e.g. a gRPC call whose channel closed
+
+    async def go():
+        (got,) = await gather([cancelled_inside()], return_exceptions=True)
+        assert isinstance(got, asyncio.CancelledError)
+        started = asyncio.Event()
+
+        async def slow():
+            started.set()
+            await asyncio.sleep(30)
+
+        task = asyncio.ensure_future(gather([slow()], return_exceptions=True))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())

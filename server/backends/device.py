@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 
 import faiss
@@ -114,7 +115,9 @@ def faiss_threads_initializer(n: int, nice: int = 0):
     first."""
     def init() -> None:
         faiss.omp_set_num_threads(max(1, n))
-        if nice > 0 and hasattr(os, "setpriority"):
+        # Linux only: there setpriority(PRIO_PROCESS, 0) is the calling thread; elsewhere
+        # (macOS) it is the whole process
+        if nice > 0 and sys.platform.startswith("linux"):
             try:
                 # relative to the process's own; 0 = this thread (Linux: per thread)
                 os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))

@@ -50,6 +50,11 @@ async def gather(coros: Sequence, return_exceptions: bool = False) -> list:
         return [await coros[0]]
     try:
         return [await coros[0]]
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is None or getattr(task, "cancelling", lambda: 1)():
+            raise  # this task is being cancelled: propagate, as gather's own caller would see
+        return [exc]  # the awaited call was cancelled under us (e.g. a closed channel): a result
     except Exception as exc:  # noqa: BLE001 - returned, as gather would
         return [exc]
 

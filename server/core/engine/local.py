@@ -74,6 +74,16 @@ def _cores() -> int:
             else (os.cpu_count() or 1))
 
 
+def _abandon(futures) -> None:
+    """Cancel the unfinished (the scheduler drops them) and read the finished ones' exceptions,
+    which nobody else will (asyncio logs an unread one as "never retrieved")."""
+    for f in futures:
+        if not f.done():
+            f.cancel()
+        elif not f.cancelled():
+            f.exception()
+
+
 class LocalShard:
     def __init__(self, index: ShardIndex, config: EngineConfig, pools: EnginePools,
                  apply_batch: int = 256):
@@ -141,15 +151,13 @@ class LocalShard:
             try:
                 _, late = await asyncio.wait(pending, timeout=timeout)
             except asyncio.CancelledError:  # the caller went away: the scheduler drops its queries
-                for f in pending:
-                    f.cancel()
+                _abandon(pending)
                 raise
             if late:
-                for f in late:
-                    f.cancel()
+                _abandon(pending)
                 raise DeadlineExceeded(f"shard {self.shard_no} did not answer within the deadline")
-            for i, f in futures.items():
-                error = f.exception()
+            errors = [f.exception() for f in pending]  # every one read: none logged as lost
+            for (i, f), error in zip(futures.items(), errors):
                 if error is not None and not isinstance(error, SearchError):
                     raise error
                 answers[i] = f.result() if error is None else error

@@ -92,9 +92,13 @@ class SearchScheduler:
         """Batches allowed to run now: the burst allowance while a full batch's worth waits."""
         return self.burst_workers if self._depth >= self.max_batch else self.workers
 
-    def _pump(self) -> None:
+    def _pump(self, at: float = 0.0) -> None:
+        """Dispatch what is ready. `at`: the time a dispatch timer fired for - uvloop's clock
+        counts whole milliseconds, so `loop.time()` in the timer's callback can read just under
+        the time it was set for, and without this the group would re-arm a 0 ms timer until the
+        millisecond ticked over."""
         loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = max(loop.time(), at)
         while self._groups and (not self.batching or self._running < self._slots()):
             key, group = next(iter(self._groups.items()))
             ready = (not self.batching or self._running == 0 or len(group) >= self.max_batch
@@ -113,6 +117,8 @@ class SearchScheduler:
             if batch:
                 self._start(batch, loop, now)
         self._m_depth.set(self.depth())
+        if self._idle is not None and not self._running and not self._groups:
+            self._idle.set()  # close() waits for this (after the pump dropped what was dead)
 
     def _arm(self, when: float) -> None:
         loop = asyncio.get_running_loop()
@@ -120,11 +126,11 @@ class SearchScheduler:
             return
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = loop.call_at(when, self._fire)
+        self._timer = loop.call_at(when, self._fire, when)
 
-    def _fire(self) -> None:
+    def _fire(self, when: float) -> None:
         self._timer = None
-        self._pump()
+        self._pump(when)
 
     def _alive(self, p: _Pending, now: float) -> bool:
         if p.deadline is not None and now >= p.deadline:
@@ -153,8 +159,10 @@ class SearchScheduler:
                            Unavailable("the shard's device pool is shut down"))
             return
         def back_to_loop(f) -> None:  # on the device thread
-            if not loop.is_closed():
+            try:
                 loop.call_soon_threadsafe(self._finish, batch, f, None)
+            except RuntimeError:  # the loop is closed: nobody waits for these answers any more
+                self._running -= 1
 
         done.add_done_callback(back_to_loop)
 
@@ -173,8 +181,6 @@ class SearchScheduler:
                         p.future.set_exception(error)
         finally:
             self._running -= 1
-            if self._idle is not None and not self._running and not self._groups:
-                self._idle.set()
             self._pump()
 
     async def close(self) -> None:
