@@ -160,8 +160,10 @@ class QueryPipeline:
         except SearchError as exc:
             st.error = exc
             return
+        if not self.config.retrieval_cache_size:
+            return  # no key to build (a hash of the vector) for a cache that is off
         st.cache_key = self._cache_key(st, tenant, acl_scopes)
-        if st.cache_key is not None and self.config.retrieval_cache_size:
+        if st.cache_key is not None:
             cached = self._cache.get(st.cache_key)
             if cached is not None:
                 self._cache.move_to_end(st.cache_key)
@@ -506,7 +508,7 @@ class QueryPipeline:
                               a.used)
         # an answer degraded by a failed feedback round is served, never cached
         degraded = st.shard_errors or any(" skipped" in n for n in st.notes)
-        if st.cache_key is not None and not degraded and self.config.retrieval_cache_size:
+        if st.cache_key is not None and not degraded:  # a key only while the cache is on
             self._cache[st.cache_key] = result
             while len(self._cache) > self.config.retrieval_cache_size:
                 self._cache.popitem(last=False)

@@ -52,26 +52,23 @@ def dense_workers(configured: int, placement: str) -> int:
     through gRPC (docs/BENCHMARKS.md): one worker answers 20-28% more queries/s at 64 callers
     than two, whose threads took CPU from the event loop (in process, with no front end to feed,
     two were faster)."""
-    if configured > 0:
-        return configured
-    if placement != "cpu":
-        return 1
-    return max(1, min(4, _cores() - 1))
+    return _workers(configured, placement, spare_cores=1)
 
 
 def burst_workers(configured: int, placement: str) -> int:
     """Batches a shard may run at once while a backlog of full batches waits (a SearchBatch, a
     burst): then throughput is what counts, and every core searches (up to 4)."""
+    return _workers(configured, placement, spare_cores=0)
+
+
+def _workers(configured: int, placement: str, spare_cores: int) -> int:
     if configured > 0:
         return configured
     if placement != "cpu":
         return 1
-    return max(1, min(4, _cores()))
-
-
-def _cores() -> int:
-    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else (os.cpu_count() or 1))
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else (os.cpu_count() or 1))
+    return max(1, min(4, cores - spare_cores))
 
 
 def _abandon(futures) -> None:
