@@ -1,6 +1,7 @@
 """SearchBatch through the service against faiss's own batched search on the same index file.
 
     .venv/bin/python bench/bench_batch_api.py --vectors V.npy [--batch 1000] [--repeats 5]
+        [--flags "" --flags "--batch-chunk 0" --rounds 2]
 
 1. Builds a collection from the vectors (the last --batch rows are the queries), HNSW16, with
    efSearch set to the smallest value whose recall@10 reaches --target-recall (measured with
@@ -10,10 +11,13 @@
 3. Searches the same queries with faiss on the same dense.faiss file, one batched call with all
    OpenMP threads, --repeats times.
 Prints both, their ratio, and both recalls against exact search, measured in the same run.
+With several --flags (extra `serve` flags), the service is measured with each, alternating round
+by round on the same build (as bench/ab_server_flags.py does for single queries).
 """
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -30,6 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--target-recall", type=float, default=0.95)
+    ap.add_argument("--flags", action="append", default=None,
+                    help="extra serve flags of one server variant (repeatable; default: none)")
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args(argv)
 
     import faiss
@@ -63,35 +70,50 @@ def main(argv=None) -> int:
             index.search(xq, 10)
         faiss_qps = args.batch * args.repeats / (time.perf_counter() - t0)
 
-        channel = grpc.insecure_channel(f"127.0.0.1:{engine.port}",
-                                        options=[("grpc.max_receive_message_length", 64 << 20)])
-        stub = pb_grpc.SearchServiceStub(channel)
-
-        def call():
+        def call(stub):
             req = pb.SearchBatchRequest(queries=[pb.SearchRequest(
                 collection="bench", top_k=10, mode=pb.DENSE,
                 vector=pb.QueryVector(values=q.tolist(), model_id=engine.MODEL)) for q in xq])
             return stub.SearchBatch(req, timeout=120)
 
-        resp = call()  # warm-up, and the answers for recall
-        assert all(r.code == 0 for r in resp.results), [r.message for r in resp.results if r.code][:3]
-        service_recall = E.recall_at_k([[int(h.doc_id) for h in r.response.hits] for r in resp.results],
-                                       gt, 10)
-        t0 = time.perf_counter()
-        for _ in range(args.repeats):
-            call()
-        service_qps = args.batch * args.repeats / (time.perf_counter() - t0)
-        channel.close()
+        variants = args.flags or [""]
+        runs = {f: [] for f in variants}
+        recalls = {}
+        for _ in range(args.rounds):
+            for flags in variants:
+                engine.server_flags = tuple(shlex.split(flags))
+                engine._restart()
+                channel = grpc.insecure_channel(f"127.0.0.1:{engine.port}",
+                                                options=[("grpc.max_receive_message_length", 64 << 20)])
+                stub = pb_grpc.SearchServiceStub(channel)
+                resp = call(stub)  # warm-up, and the answers for recall
+                assert all(r.code == 0 for r in resp.results), \
+                    [r.message for r in resp.results if r.code][:3]
+                recalls[flags] = E.recall_at_k([[int(h.doc_id) for h in r.response.hits]
+                                                for r in resp.results], gt, 10)
+                t0 = time.perf_counter()
+                for _ in range(args.repeats):
+                    call(stub)
+                runs[flags].append(args.batch * args.repeats / (time.perf_counter() - t0))
+                channel.close()
     finally:
         engine.close()
     print(f"{len(xb)} x {X.shape[1]}-d, HNSW16 efSearch={ef}, batches of {args.batch} queries, "
-          f"{args.repeats} repeats, {E.NCPU} CPUs\n")
+          f"{args.repeats} repeats, {args.rounds} round(s), {E.NCPU} CPUs\n")
     print("| path | recall@10 | queries/s |")
     print("|---|---|---|")
     print(f"| faiss, one batched call on the index file (all OpenMP threads) | {faiss_recall:.4f} | "
           f"{faiss_qps:,.0f} |")
-    print(f"| service, one SearchBatch call over gRPC | {service_recall:.4f} | {service_qps:,.0f} |")
-    print(f"\nSearchBatch / faiss batched: {service_qps / faiss_qps:.2f}x")
+    for flags in variants:
+        qps = sum(runs[flags]) / len(runs[flags])
+        rounds = " / ".join(f"{x:,.0f}" for x in runs[flags]) if args.rounds > 1 else ""
+        name = f"service, one SearchBatch call over gRPC{' (' + flags + ')' if flags else ''}"
+        print(f"| {name} | {recalls[flags]:.4f} | {qps:,.0f}{' (' + rounds + ')' if rounds else ''} |")
+    for flags in variants:
+        qps = sum(runs[flags]) / len(runs[flags])
+        print(f"\nSearchBatch{' (' + flags + ')' if flags else ''} / faiss batched: {qps / faiss_qps:.2f}x",
+              end="")
+    print()
     return 0
 
 

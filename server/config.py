@@ -93,6 +93,10 @@ class PipelineConfig:
     default_depth: int = opt(100, "candidates per retriever when a request names none")
     default_rrf_k: int = opt(60, "reciprocal rank fusion constant when a request names none")
     dedupe: bool = opt(True, "drop passages whose text repeats one already in the context")
+    batch_chunk: int = opt(128, "a batch of queries (SearchBatch) runs as concurrent chunks of "
+                                "this many, so assembling one chunk's answers overlaps the "
+                                "search of the next; each chunk reaches a shard as one message "
+                                "(0 = the whole batch as one)")
     retrieval_cache_size: int = opt(1024, "retrieval results kept (keyed by every shard's index "
                                           "version, so a write invalidates them)")
     text_top_n: Optional[int] = opt(None, "shards ship text for this many hits per list (default: "

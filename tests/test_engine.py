@@ -442,7 +442,8 @@ def test_memoised_metric_children_are_the_registered_ones():
 
 def test_a_backlog_of_full_batches_uses_the_burst_workers_and_a_trickle_does_not():
     """Single-query traffic keeps to `workers` batches at a time (a core stays with the front
-    end); once a full batch's worth of queries waits (a SearchBatch), up to `burst_workers` run."""
+    end); once a full batch's worth of queries waits (a SearchBatch), up to `burst_workers` run,
+    and full batches are handed to the device pool ahead of a free thread."""
     from concurrent.futures import ThreadPoolExecutor
 
     from server.core.engine.local import burst_workers, dense_workers
@@ -478,16 +479,20 @@ def test_a_backlog_of_full_batches_uses_the_burst_workers_and_a_trickle_does_not
                 break
             await asyncio.sleep(0.01)
         peak_backlog = peak[0]
+        handed_over = s._running  # full batches queue behind the busy device threads
         release.set()
         got = await asyncio.gather(first, *trickle, *backlog)
         await s.close()
-        return peak_trickle, peak_backlog, got
+        return peak_trickle, peak_backlog, handed_over, got
 
     try:
-        peak_trickle, peak_backlog, got = asyncio.run(go())
+        peak_trickle, peak_backlog, handed_over, got = asyncio.run(go())
     finally:
         pool.shutdown()
     assert peak_trickle == 1 and peak_backlog == 2
+    # the first batch, then [2..5] and [6..9] handed over at once: one of them waits in the
+    # device pool's queue rather than in the scheduler for a loop turn
+    assert handed_over == 3
     assert got == [i * 10 for i in range(1, 10)]             # every caller its own answer
     # the CPU rule: one core left to the front end, every core for a backlog, 1 on a GPU
     import os
@@ -561,6 +566,51 @@ def test_a_dispatch_timer_fires_once_on_uvloops_millisecond_clock():
     assert 1 <= len(fired) <= 2
 
 
+def test_a_waiting_group_goes_when_its_timer_fires_whatever_the_float_rounding():
+    """For about 4 enqueue times in 10, (enqueued + 0.001) - enqueued is just under 0.001: a
+    group due at enqueued + timeout must go when its timer fires for that time, not re-arm (this
+    is what made the uvloop test above fail now and then)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.core.engine.scheduler import SearchScheduler
+
+    release = threading.Event()
+
+    def run_group(queries):
+        if queries[0] == 1:
+            release.wait(10)
+        return list(queries)
+
+    class Q(int):
+        restriction = ("same",)
+
+    pool = ThreadPoolExecutor(2)
+
+    async def go():
+        s = SearchScheduler(run_group, pool, ("unit", "0"), max_batch=8, dispatch_timeout_ms=1.0,
+                            workers=2)
+        first = s.submit(Q(1), None)          # idle: runs at once, held
+        second = s.submit(Q(2), None)         # a batch runs: waits for the dispatch timeout
+        (group,) = s._groups.values()
+        e = asyncio.get_running_loop().time() + 60  # a time the loop's clock has not reached
+        while (e + 0.001) - e >= 0.001:
+            e = float(np.nextafter(e, np.inf)) + 1e-7
+        group[0].enqueued = e
+        armed = []
+        s._arm = armed.append
+        try:
+            s._fire(e + 0.001)                    # the timer armed for e + timeout fires
+            assert armed == [] and not s._groups  # it went, nothing re-armed
+        finally:
+            release.set()
+        return await first, await second
+
+    try:
+        assert asyncio.run(go()) == (1, 2)
+    finally:
+        pool.shutdown()
+
+
 def test_close_returns_when_a_running_batch_ends_and_every_queued_query_was_dropped(engine_build, rng):
     data, desc = engine_build
     shard, pools = open_shard(data, desc, dense_workers=1)
@@ -610,3 +660,39 @@ def test_a_lone_call_cancelled_under_us_is_a_result_and_our_own_cancellation_pro
             await task
 
     asyncio.run(go())
+
+
+def test_a_chunk_that_fails_the_whole_batch_stops_the_other_chunks():
+    """A batch-wide error in one chunk (its deadline) is the batch's answer, and the chunks still
+    running are cancelled rather than left to search for nobody."""
+    from server.config import PipelineConfig
+    from server.core.pipeline import QueryPipeline
+    from server.errors import DeadlineExceeded
+
+    pipeline = QueryPipeline(None, None, PipelineConfig(batch_chunk=2), 0, None)
+    started, cancelled = [], []
+
+    async def chunk(queries, tenant, acl_scopes, deadline):  # stands in for one chunk's run
+        started.append(list(queries))
+        if queries[0] == 2:
+            raise DeadlineExceeded("deadline passed before retrieval")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(list(queries))
+            raise
+
+    pipeline._search = chunk
+
+    async def go():
+        with pytest.raises(DeadlineExceeded):
+            await pipeline.search([0, 1, 2, 3, 4], "default", (), None)
+        # inside the loop's life (asyncio.run's own clean-up would cancel them anyway)
+        for _ in range(100):
+            if len(cancelled) == 2:
+                break
+            await asyncio.sleep(0)  # a loop turn: cancellation is delivered on the next one
+        assert sorted(cancelled) == [[0, 1], [4]]
+
+    asyncio.run(go())
+    assert started == [[0, 1], [2, 3], [4]]

@@ -14,7 +14,7 @@ import pytest
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import REPO, start_core_server
+from conftest import REPO, shards_of, start_core_server
 
 DIM, N = 32, 1500
 MODEL = "my-own-model@3"
@@ -149,6 +149,43 @@ def test_search_batch_answers_each_query_in_its_slot(vec_server, vector_collecti
             single = stub.Search(queries[i], timeout=10)
             assert item.code == 0
             assert [h.chunk_id for h in item.response.hits] == [h.chunk_id for h in single.hits]
+
+
+@pytest.mark.parametrize("chunk, messages", [(4, 4), (0, 1)])
+def test_a_large_batch_runs_in_chunks_of_one_message_per_shard_with_the_same_answers(
+        vector_collection, tmp_path, chunk, messages):
+    """With batch_chunk 4, 14 queries reach each shard as 4 messages (the chunks run at once, so
+    one chunk's assembly overlaps another's search); with 0 as one. Either way every query is
+    answered in its own slot, exactly as a single Search answers it, bad ones failing alone (one
+    of them in the last chunk)."""
+    q = vector_collection[3]
+    queries = [vreq(v) for v in q[:14]]
+    queries[3] = vreq(np.ones(DIM + 1))
+    queries[13] = vreq(q[0], model="other@1")
+    srv = start_core_server(vector_collection[0], None,  # no cache: every query is searched
+                            pipeline={"batch_chunk": chunk, "retrieval_cache_size": 0},
+                            storage={"state_dir": tmp_path / "state"})
+    calls = []
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            singles = {i: stub.Search(r, timeout=10) for i, r in enumerate(queries) if i not in (3, 13)}
+            for shard in shards_of(srv, "vec"):
+                def counted(batch, timeout=None, inner=shard.search, no=shard.shard_no):
+                    calls.append((no, len(batch)))
+                    return inner(batch, timeout)
+                shard.search = counted
+            got = stub.SearchBatch(pb.SearchBatchRequest(queries=queries), timeout=30).results
+    finally:
+        srv.stop()
+    assert len(got) == 14
+    assert got[3].code == got[13].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    for i, single in singles.items():
+        assert got[i].code == 0 and len(single.hits) == 10
+        assert [h.chunk_id for h in got[i].response.hits] == [h.chunk_id for h in single.hits]
+    for no in (0, 1):
+        assert len([n for s, n in calls if s == no]) == messages
+        assert sum(n for s, n in calls if s == no) == 12  # every valid query once, none twice
 
 
 def test_a_batch_above_the_cap_is_refused(vec_server, vector_collection):

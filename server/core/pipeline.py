@@ -2,9 +2,12 @@
 (-> dense feedback) -> rerank -> assemble, for a batch of queries at once.
 
 A single Search is a batch of one; SearchBatch runs the same code, so every stage serves all of a
-batch's queries together: their embeddings share model batches, each shard receives ONE message
+batch's queries together: their embeddings share model batches, each shard receives one message
 holding every query for it (and batches them into one faiss call per restriction), and a query
-that fails validation fails alone in its slot.
+that fails validation fails alone in its slot. A large batch runs as concurrent chunks of
+`batch_chunk` queries (one message per shard each): the event loop assembles the answers of the
+chunks whose searches are done while the device threads search the rest, instead of every stage
+waiting for the whole batch.
 
 Every stage is timed (per request, and in Prometheus), sees the request's remaining deadline, and
 raises domain errors (server/errors.py) that the transport maps to gRPC status codes. Tenant and
@@ -100,6 +103,22 @@ class QueryPipeline:
     async def search(self, queries: Sequence[SearchQuery], tenant: str, acl_scopes: tuple,
                      deadline: Optional[float]) -> list:
         """One answer per query, in order: a SearchResult, or the SearchError of that query."""
+        chunk = self.config.batch_chunk
+        if chunk <= 0 or len(queries) <= chunk:
+            return await self._search(queries, tenant, acl_scopes, deadline)
+        tasks = [asyncio.ensure_future(self._search(queries[i:i + chunk], tenant, acl_scopes,
+                                                    deadline))
+                 for i in range(0, len(queries), chunk)]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except Exception:  # an error of the whole batch (its deadline): the other chunks stop too
+            for t in tasks:
+                t.cancel()
+            raise
+        return [answer for part in parts for answer in part]
+
+    async def _search(self, queries: Sequence[SearchQuery], tenant: str, acl_scopes: tuple,
+                      deadline: Optional[float]) -> list:
         t_start = time.perf_counter()
         states = [_Query(q) for q in queries]
         for st in states:
@@ -456,20 +475,22 @@ class QueryPipeline:
                           deadline: Optional[float]) -> SearchResult:
         q, desc = st.q, st.coll.desc
         t = time.perf_counter()
-        dense_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.dense)}
-        lex_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.lexical)}
         dense_kind = SCORE_KINDS.get(desc.metric, "inner_product")
         if st.mode == "hybrid":
+            dense_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.dense)}
+            lex_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.lexical)}
             by_id = {c.chunk_id: c for c in st.lexical}
             by_id.update({c.chunk_id: c for c in st.dense})
             kind = "minmax" if st.q.fusion == "minmax" else "rrf"
             ranked = [RankedHit(by_id[cid], s, kind, dense_pos.get(cid), lex_pos.get(cid), (i + 1, s),
                                 fused_kind=kind)
                       for i, (cid, s) in enumerate(st.fused)]
-        elif st.mode == "dense":
-            ranked = [RankedHit(c, c.score, dense_kind, dense_pos[c.chunk_id]) for c in st.dense]
+        elif st.mode == "dense":  # a single retriever: its rank is the position
+            ranked = [RankedHit(c, c.score, dense_kind, (i, c.score))
+                      for i, c in enumerate(st.dense, 1)]
         else:
-            ranked = [RankedHit(c, c.score, "bm25", None, lex_pos[c.chunk_id]) for c in st.lexical]
+            ranked = [RankedHit(c, c.score, "bm25", None, (i, c.score))
+                      for i, c in enumerate(st.lexical, 1)]
         pre_rerank = ranked
         if q.rerank_depth and ranked:
             self._check_deadline(deadline, "rerank")

@@ -87,14 +87,19 @@ def result_to_pb(res: SearchResult, dense_kind: int) -> pb.SearchResponse:
                        shard=h.candidate.shard)
         if rec.metadata:
             hit.metadata.update({str(k): str(v) for k, v in rec.metadata.items()})
+        # each `hit.dense` read makes a new wrapper object: take each submessage once
         if h.dense is not None:
-            hit.dense.rank, hit.dense.score, hit.dense.kind = h.dense[0], h.dense[1], dense_kind
+            m = hit.dense
+            m.rank, m.score, m.kind = h.dense[0], h.dense[1], dense_kind
         if h.lexical is not None:
-            hit.lexical.rank, hit.lexical.score, hit.lexical.kind = h.lexical[0], h.lexical[1], pb.BM25
+            m = hit.lexical
+            m.rank, m.score, m.kind = h.lexical[0], h.lexical[1], pb.BM25
         if h.fused is not None:
-            hit.fused.rank, hit.fused.score, hit.fused.kind = h.fused[0], h.fused[1], SCORE_KIND[h.fused_kind]
+            m = hit.fused
+            m.rank, m.score, m.kind = h.fused[0], h.fused[1], SCORE_KIND[h.fused_kind]
         if h.rerank is not None:
-            hit.rerank.rank, hit.rerank.score, hit.rerank.kind = h.rerank[0], h.rerank[1], pb.CROSS_ENCODER
+            m = hit.rerank
+            m.rank, m.score, m.kind = h.rerank[0], h.rerank[1], pb.CROSS_ENCODER
     for stage, ms in res.timings.items():
         out.timings.add(stage=stage, ms=ms)
     if res.trace is not None:

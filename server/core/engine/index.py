@@ -296,8 +296,11 @@ class ShardIndex:
             return [list(zip(r.tolist(), s.tolist()))
                     for s, r in exact_search(self.vectors, allowed.rows, queries, k, metric)]
         scores, rows = self.dense.search(queries, k, allowed)
-        found = [[(r, s) for r, s in zip(rr, ss) if r >= 0]
-                 for rr, ss in zip(rows.tolist(), scores.tolist())]
+        rows_l, scores_l = rows.tolist(), scores.tolist()
+        if (rows < 0).any():  # faiss pads a short page with -1
+            found = [[(r, s) for r, s in zip(rr, ss) if r >= 0] for rr, ss in zip(rows_l, scores_l)]
+        else:
+            found = [list(zip(rr, ss)) for rr, ss in zip(rows_l, scores_l)]
         want = min(k, allowed.count if allowed is not None else self.nrows)
         short = [i for i, f in enumerate(found) if len(f) < want]
         if short and allowed is not None and exact_ok:
@@ -406,25 +409,28 @@ class ShardIndex:
         return out
 
     def _candidates(self, pairs, top, records, tenant, scopes, allowed, live, text_hash, row_ids):
+        """Candidates of one list: the first `top` with their records (re-checked against the
+        store, the authority on visibility: it returns live rows only), the rest as row, chunk id
+        and text fingerprint, visible by the mask (or, on the fast path, liveness) that the search
+        itself used; their records are read, and re-checked, if they are fetched."""
         out = []
+        append = out.append
         readable = set(scopes)
-        for i, (row, score) in enumerate(pairs):
-            if top is not None and i >= top:
-                # visibility of an unread row: the mask (or, on the fast path, liveness) that the
-                # search itself used; its record is read, and re-checked, if it is fetched
-                if (allowed is not None and not allowed.mask[row]) or not live[row]:
+        mask = allowed.mask if allowed is not None else None
+        shard_no = self.shard_no
+        for row, score in (pairs if top is None else pairs[:top]):
+            rec = records.get(row)
+            if (rec is None or rec.tenant != tenant or readable.isdisjoint(rec.acl)
+                    or (mask is not None and not mask[row])):
+                continue
+            append(Candidate(rec.chunk_id, score, rec, shard_no))
+        if top is not None:
+            for row, score in pairs[top:]:
+                if (mask is not None and not mask[row]) or not live[row]:
                     continue
                 cid = int(row_ids[row])
-                out.append(Candidate(cid, score, ChunkRecord(row, cid, "", 0, 0, 0, "", None, tenant,
-                                                             {}, (), int(text_hash[row])),
-                                     self.shard_no))
-                continue
-            rec = records.get(row)
-            # re-check against the store, the authority on visibility (fetch returns live rows)
-            if (rec is None or rec.tenant != tenant or readable.isdisjoint(rec.acl)
-                    or (allowed is not None and not allowed.mask[row])):
-                continue
-            out.append(Candidate(rec.chunk_id, score, rec, self.shard_no))
+                append(Candidate(cid, score, ChunkRecord(row, cid, "", 0, 0, 0, "", None, tenant, {},
+                                                         (), int(text_hash[row])), shard_no))
         return out
 
     def fetch(self, req: FetchRequest) -> list[Candidate]:

@@ -11,7 +11,8 @@ Search policy (`SearchScheduler`):
   dispatch delay, and while batches run the next ones fill (continuous batching);
 - at most `workers` batches run at a time (one per device queue), and up to `burst_workers`
   while a full batch's worth of queries waits behind them (a backlog, e.g. a SearchBatch: every
-  core searches; under single-query traffic a core stays with the front end); the oldest ready
+  core searches, each with one more full batch queued behind it so no device thread waits for
+  the event loop; under single-query traffic a core stays with the front end); the oldest ready
   group goes first;
 - queries whose caller has gone (cancelled) or whose deadline has passed are dropped before the
   index call, and counted;
@@ -89,8 +90,12 @@ class SearchScheduler:
         return self._depth
 
     def _slots(self) -> int:
-        """Batches allowed to run now: the burst allowance while a full batch's worth waits."""
-        return self.burst_workers if self._depth >= self.max_batch else self.workers
+        """Batches allowed out now. While a full batch's worth waits (a backlog), every burst
+        worker searches and has one more full batch queued behind its current one, so a device
+        thread that finishes takes the next at once instead of idling until the event loop
+        (perhaps busy assembling answers) hands it over; full batches lose nothing by going
+        early. A trickle keeps to `workers`, its batches still filling while others run."""
+        return 2 * self.burst_workers if self._depth >= self.max_batch else self.workers
 
     def _pump(self, at: float = 0.0) -> None:
         """Dispatch what is ready. `at`: the time a dispatch timer fired for - uvloop's clock
@@ -101,10 +106,14 @@ class SearchScheduler:
         now = max(loop.time(), at)
         while self._groups and (not self.batching or self._running < self._slots()):
             key, group = next(iter(self._groups.items()))
+            # the group's due time, computed as the timer is armed: `now - enqueued >= timeout`
+            # can round to just under the timeout at the very time the timer fired for, and the
+            # group would re-arm 0 ms timers until the clock moved on
+            due = group[0].enqueued + self.dispatch_timeout
             ready = (not self.batching or self._running == 0 or len(group) >= self.max_batch
-                     or now - group[0].enqueued >= self.dispatch_timeout)
+                     or now >= due)
             if not ready:
-                self._arm(group[0].enqueued + self.dispatch_timeout)
+                self._arm(due)
                 break
             batch = []
             while group and len(batch) < self.max_batch:
