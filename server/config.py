@@ -96,7 +96,8 @@ class PipelineConfig:
     batch_chunk: int = opt(128, "a batch of queries (SearchBatch) runs as concurrent chunks of "
                                 "this many, so assembling one chunk's answers overlaps the "
                                 "search of the next; each chunk reaches a shard as one message "
-                                "(0 = the whole batch as one)")
+                                "(0 = the whole batch as one; --workers front ends send what one "
+                                "loop turn holds as one message either way)")
     retrieval_cache_size: int = opt(1024, "retrieval results kept (keyed by every shard's index "
                                           "version, so a write invalidates them)")
     text_top_n: Optional[int] = opt(None, "shards ship text for this many hits per list (default: "

@@ -527,6 +527,60 @@ def test_the_threads_that_search_a_cpu_index_run_below_the_event_loops_priority(
     assert os.getpriority(os.PRIO_PROCESS, 0) == base     # the caller's thread is untouched
 
 
+def test_a_batch_queued_behind_a_busy_thread_leaves_out_queries_that_died_meanwhile():
+    """A full batch handed to the device pool ahead of a free thread still leaves out, when it
+    starts, a query whose caller went away and one whose deadline passed while it waited; the
+    expired one is told so, the rest are answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.core.engine.scheduler import SearchScheduler
+    from server.errors import DeadlineExceeded
+
+    release = threading.Event()
+    searched, handed = [], []
+
+    def run_group(queries):
+        searched.append(list(queries))
+        if queries[0] == 1:
+            release.wait(10)
+        return [q * 10 for q in queries]
+
+    class Q(int):
+        restriction = ("same",)
+
+    class RecordingPool(ThreadPoolExecutor):  # remembers each batch it is handed
+        def submit(self, fn, batch, *args):
+            handed.append(batch)
+            return super().submit(fn, batch, *args)
+
+    pool = RecordingPool(1)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        s = SearchScheduler(run_group, pool, ("unit", "0"), max_batch=3, dispatch_timeout_ms=1.0,
+                            workers=1, burst_workers=1)
+        first = s.submit(Q(1), None)                     # runs at once, held on the only thread
+        late = [s.submit(Q(i), loop.time() + 60) for i in (2, 3, 4)]  # a full batch: queued ahead
+        try:
+            assert s._running == 2 and s.depth() == 0    # handed over, waiting in the pool
+            late[0].cancel()                             # its caller went away
+            (expiring,) = [p for p in handed[1] if p.future is late[1]]
+            expiring.deadline = loop.time() - 1          # its deadline passed while it waited
+        finally:
+            release.set()
+        assert await first == 10
+        with pytest.raises(DeadlineExceeded):
+            await late[1]
+        assert await late[2] == 40
+        await s.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        pool.shutdown()
+    assert searched == [[1], [4]]
+
+
 def test_a_dispatch_timer_fires_once_on_uvloops_millisecond_clock():
     """uvloop's loop.time() counts whole milliseconds: read in the timer's own callback it can
     sit just under the time the timer was set for. The scheduler takes the timer's time as now,
@@ -685,8 +739,8 @@ def test_a_chunk_that_fails_the_whole_batch_stops_the_other_chunks():
     pipeline._search = chunk
 
     async def go():
-        with pytest.raises(DeadlineExceeded):
-            await pipeline.search([0, 1, 2, 3, 4], "default", (), None)
+        with pytest.raises(DeadlineExceeded):  # (unchunked, the lone call would wait forever)
+            await asyncio.wait_for(pipeline.search([0, 1, 2, 3, 4], "default", (), None), 10)
         # inside the loop's life (asyncio.run's own clean-up would cancel them anyway)
         for _ in range(100):
             if len(cancelled) == 2:

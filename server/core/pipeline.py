@@ -111,8 +111,8 @@ class QueryPipeline:
                  for i in range(0, len(queries), chunk)]
         try:
             parts = await asyncio.gather(*tasks)
-        except Exception:  # an error of the whole batch (its deadline): the other chunks stop too
-            for t in tasks:
+        except BaseException:  # an error of the whole batch (its deadline), or a chunk or the
+            for t in tasks:    # caller cancelled: the other chunks stop too
                 t.cancel()
             raise
         return [answer for part in parts for answer in part]

@@ -15,7 +15,8 @@ Search policy (`SearchScheduler`):
   the event loop; under single-query traffic a core stays with the front end); the oldest ready
   group goes first;
 - queries whose caller has gone (cancelled) or whose deadline has passed are dropped before the
-  index call, and counted;
+  index call (checked as a batch leaves the queue and again as it starts on its device thread),
+  and counted;
 - batch sizes, queue waits and queue depth are exported per shard.
 With batching off every query is its own call (the per-request path, kept for comparison).
 
@@ -26,6 +27,7 @@ SQLite transaction, and a lone writer waits for nobody.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict, deque
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -93,8 +95,9 @@ class SearchScheduler:
         """Batches allowed out now. While a full batch's worth waits (a backlog), every burst
         worker searches and has one more full batch queued behind its current one, so a device
         thread that finishes takes the next at once instead of idling until the event loop
-        (perhaps busy assembling answers) hands it over; full batches lose nothing by going
-        early. A trickle keeps to `workers`, its batches still filling while others run."""
+        (perhaps busy assembling answers) hands it over. Only ready batches go (full, or due),
+        and a query whose caller leaves while its batch waits in the pool is still left out of
+        the index call (`_run`). A trickle keeps to `workers`, its batches filling meanwhile."""
         return 2 * self.burst_workers if self._depth >= self.max_batch else self.workers
 
     def _pump(self, at: float = 0.0) -> None:
@@ -152,6 +155,13 @@ class SearchScheduler:
             return False
         return True
 
+    def _dropped_at_start(self, p: _Pending) -> None:
+        if p.future.done():
+            self._m_dropped["cancelled"].inc()
+        else:  # left out on the device thread because its deadline had passed
+            self._m_dropped["deadline"].inc()
+            p.future.set_exception(DeadlineExceeded("deadline passed while queued for the index"))
+
     def _start(self, batch: list[_Pending], loop: asyncio.AbstractEventLoop, now: float) -> None:
         """Hand one batch to the device. No task per batch: the device thread's completion comes
         back as one loop callback (`_finish`) that answers every query of the batch."""
@@ -161,8 +171,9 @@ class SearchScheduler:
         self._m_batch.observe(len(batch))
         self.batches += 1
         self.queries += len(batch)
+        skew = loop.time() - time.monotonic()  # the loop's clock, read from the device thread
         try:
-            done = self.device.submit(self.run_group, [p.query for p in batch])
+            done = self.device.submit(self._run, batch, skew)
         except RuntimeError:  # the device pool is shut down (the shard is closing)
             loop.call_soon(self._finish, batch, None,
                            Unavailable("the shard's device pool is shut down"))
@@ -175,15 +186,34 @@ class SearchScheduler:
 
         done.add_done_callback(back_to_loop)
 
+    def _run(self, batch: list[_Pending], skew: float) -> tuple[list[_Pending], list]:
+        """On the device thread, as the batch starts: a batch queued behind a busy thread may
+        hold queries whose caller went away or whose deadline passed meanwhile; they stay out of
+        the index call too (`_finish` answers them). Returns (the queries searched, their results)."""
+        now = time.monotonic() + skew
+        live = [p for p in batch
+                if not p.future.done() and (p.deadline is None or now < p.deadline)]
+        if len(live) < len(batch):
+            batch = live
+            if not batch:
+                return batch, []
+        return batch, self.run_group([p.query for p in batch])
+
     def _finish(self, batch: list[_Pending], done, error: Optional[BaseException]) -> None:
         try:
             if error is None:
                 error = (Unavailable("the shard's search was cancelled (shutting down)")
                          if done.cancelled() else done.exception())
             if error is None:
-                for p, r in zip(batch, done.result()):
+                searched, results = done.result()
+                for p, r in zip(searched, results):
                     if not p.future.done():
                         p.future.set_result(r)
+                if len(searched) < len(batch):
+                    kept = {id(p) for p in searched}
+                    for p in batch:
+                        if id(p) not in kept:
+                            self._dropped_at_start(p)
             else:  # the whole batch shares its failure
                 for p in batch:
                     if not p.future.done():

@@ -69,7 +69,8 @@ class SearchServiceServicer:
     def SearchBatch(self, request, context):
         """Many queries in one call (up to 1,024): one answer per query, each with its own status, so an
         invalid query fails alone. The same validation, limits, tenancy and tracing as Search; the
-        queries share model batches and reach each shard as one message.
+        queries share model batches and reach each shard batched: one message per chunk of the
+        server's --batch-chunk queries (128 by default).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

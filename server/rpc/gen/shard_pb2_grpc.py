@@ -60,7 +60,8 @@ class ShardServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def SearchShard(self, request, context):
-        """A batch of queries (one message per shard per router batch); one result per query.
+        """A batch of queries (one message per shard per router batch, or chunk of a large one); one
+        result per query.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
