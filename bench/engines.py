@@ -1133,7 +1133,7 @@ class SearchServiceEngine(Engine):
         deadline = time.time() + 120
         while True:  # the port opens before every front end is up: wait for answers
             try:
-                client.search(np.zeros(self.desc.dim, np.float32), 1)
+                client.search(np.ones(self.desc.dim, np.float32), 1)  # any direction (not zero)
                 break
             except Exception:
                 if time.time() > deadline:

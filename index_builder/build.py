@@ -22,6 +22,8 @@ from server.core.chunking import CHUNKER_VERSION, chunk_id, document_chunks, emb
 from server.core.collection import NAME, CollectionStore, ReleaseDescriptor, check_name
 from server.core.build_writer import write_shard
 from server.core.collection import shard_dir_name
+from server.core.validation import unit_vectors
+from server.errors import InvalidArgument
 
 DEFAULT_FACTORY = "Flat"
 
@@ -82,8 +84,10 @@ def _check_doc(doc: Document) -> None:
             raise ValueError(f"document {doc.doc_id!r}: ACL scope {scope[:80]!r} must match {NAME.pattern}")
 
 
-def _own_vectors(documents: list[Document], vectors: Optional[np.ndarray]) -> Optional[np.ndarray]:
-    """Per-document vectors from --vectors (aligned with the corpus) or the JSONL `vector` field."""
+def _own_vectors(documents: list[Document], vectors: Optional[np.ndarray],
+                 metric: str) -> Optional[np.ndarray]:
+    """Per-document vectors from --vectors (aligned with the corpus) or the JSONL `vector` field,
+    scaled as the index compares them (unit length under `ip`, cosine: `unit_vectors`)."""
     given = [d.vector for d in documents]
     if vectors is None and all(v is None for v in given):
         return None
@@ -100,7 +104,10 @@ def _own_vectors(documents: list[Document], vectors: Optional[np.ndarray]) -> Op
         bad = int(np.flatnonzero(~np.isfinite(vectors).all(axis=1))[0])
         raise ValueError(f"the vector of document {documents[bad].doc_id!r} (row {bad}) has NaN or "
                          "infinite values")
-    return vectors
+    try:
+        return unit_vectors(vectors, metric, "the vector")
+    except InvalidArgument as exc:
+        raise ValueError(f"document {documents[exc.row].doc_id!r}: {exc}") from None
 
 
 def _span_queries(chunks: list[PendingChunk], embedder, n: int, seed: int) -> np.ndarray:
@@ -133,7 +140,7 @@ def _build(docs, collection, embedder, factory, shards, metric, search_defaults,
         seen_docs.add((doc.tenant, doc.doc_id))
         _check_doc(doc)
         documents.append(doc)
-    own = _own_vectors(documents, given_vectors)
+    own = _own_vectors(documents, given_vectors, metric)
     if own is not None:
         corpus_hash.update(b"own-vectors")
     for i, doc in enumerate(documents):
@@ -169,6 +176,10 @@ def _build(docs, collection, embedder, factory, shards, metric, search_defaults,
         audit_queries = np.asarray(audit_queries, dtype=np.float32)
         if audit_queries.ndim != 2 or audit_queries.shape[1] != dim:
             raise ValueError(f"audit queries must be an (n, {dim}) array, not {audit_queries.shape}")
+        try:  # scaled as the server scales query vectors
+            audit_queries = unit_vectors(audit_queries, metric, "audit query")
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
         np.save(tmp_dir / AUDIT_QUERIES, audit_queries)
 
     # 3. per shard: train, add in blocks, write dense + lexical + chunk store

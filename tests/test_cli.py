@@ -2,8 +2,10 @@
 progress), audit, publish, list; clear errors for bad input; a corrupted build fails at load
 naming the file."""
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -69,19 +71,31 @@ def test_bad_corpus_lines_and_factories_are_clear_errors(tmp_path):
     assert not any((tmp_path / "x" / "builds").glob("*"))  # no half build left behind
 
 
-def test_a_corrupted_build_fails_at_load_naming_the_file(built, tiny_embedder):
+@pytest.mark.parametrize("damaged", ["dense.faiss", "docstore.sqlite", "vectors.npy", "state"])
+def test_a_corrupted_build_fails_at_load_naming_the_file(built, tiny_embedder, damaged):
+    """A truncated file of the build (or of a shard's state copy) fails the load with an
+    IndexCorruptError that names the file - never a bare sqlite3 or numpy traceback."""
     from conftest import make_core
+    from server.core.engine.state import prepare, state_shard_dir
     from server.errors import IndexCorruptError
     import shutil
 
     data, _ = built
-    copy = data.parent / "corrupt-copy"
+    copy = data.parent / f"corrupt-copy-{damaged}"
     shutil.copytree(data, copy)
     alias = json.loads((copy / "cran" / "ALIAS").read_text())
-    target = copy / "cran" / "builds" / alias["live"] / "shard-001" / "dense.faiss"
-    target.write_bytes(target.read_bytes()[:-100])
+    shard = copy / "cran" / "builds" / alias["live"] / "shard-001"
+    if damaged == "state":  # the state copy a server made at its first start
+        target = prepare(shard, state_shard_dir(copy / ".state", "cran", alias["live"], "shard-001"))
+        target = target / "docstore.sqlite"
+        for extra in ("-wal", "-shm"):
+            Path(f"{target}{extra}").unlink(missing_ok=True)
+    else:
+        target = shard / damaged
+    with open(target, "r+b") as f:
+        f.truncate(4096 if damaged != "dense.faiss" else target.stat().st_size - 100)
     core = make_core(copy)
-    with pytest.raises(IndexCorruptError, match=str(target)):
+    with pytest.raises(IndexCorruptError, match=re.escape(str(target))):
         core.load()
 
 

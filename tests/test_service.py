@@ -154,7 +154,7 @@ BAD_WRITES = {
     "empty doc id": (dict(doc_id="", version=1, text="x"), "doc_id"),
     "version zero": (dict(doc_id="d", version=0, text="x"), "version"),
     "empty text": (dict(doc_id="d", version=1, text="  "), "non-empty text"),
-    "bad metadata key": (dict(doc_id="d", version=1, text="x", metadata={"a b": "1"}), "key"),
+    "bad metadata key": (dict(doc_id="d", version=1, text="x", metadata={"a b": "1"}), "metadata key"),
     "bad acl scope": (dict(doc_id="d", version=1, text="x", acl=["*"]), "acl"),
     "control chars in id": (dict(doc_id="a\x00b", version=1, text="x"), "doc_id"),
 }

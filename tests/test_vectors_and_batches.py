@@ -300,3 +300,91 @@ def test_search_client_answers_a_file_of_queries(server, tmp_path):
     bad.write_text('{"text": 3}\n')
     proc, _ = run(bad)
     assert proc.returncode == 2 and "bad.jsonl:1" in proc.stderr
+
+
+def test_the_length_of_a_query_vector_changes_nothing(vec_server, vector_collection):
+    """The collection ranks by cosine: a query vector scaled by 1e-4, 1e4 or to the edge of float32
+    gets the same hits and scores as the unit vector, in dense and in hybrid mode (whose dense
+    feedback mixes the query vector with stored ones: a long vector used to drown the feedback, a
+    short one to be replaced by it); a zero vector has no direction and is refused."""
+    _, stub = vec_server
+    u = vector_collection[3][7].astype(np.float64)
+    u /= np.linalg.norm(u)
+
+    def answer(v, mode):
+        req = vreq(v)
+        req.mode = mode
+        if mode == pb.HYBRID:
+            req.text = "vector document number"
+        r = stub.Search(req, timeout=10)
+        return [(h.chunk_id, round(h.score, 4), round(h.dense.score, 4)) for h in r.hits]
+
+    for mode in (pb.DENSE, pb.HYBRID):
+        unit = answer(u, mode)
+        assert len(unit) == 10 and all(d <= 1.0 + 1e-5 for _, _, d in unit)
+        for scale in (1e-4, 1e4):
+            assert answer(u * scale, mode) == unit, (mode, scale)
+    huge = np.full(DIM, 3e38)  # finite, but its squared length overflows float32
+    assert answer(huge, pb.DENSE) == answer(np.ones(DIM), pb.DENSE)
+    assert all(np.isfinite(s) for _, s, _ in answer(huge, pb.DENSE))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Search(vreq(np.zeros(DIM)), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "zeros" in err.value.details()
+
+
+def test_a_long_chunk_vector_cannot_outrank_everything(vec_server, vector_collection):
+    """Written chunk vectors are scaled to unit length like built ones: a document written with a
+    vector 100 times too long scores its cosine (1.0 for its own direction), not 100, and does not
+    take the first place for queries it is not near; a zero chunk vector is refused and changes
+    nothing."""
+    _, stub = vec_server
+    q = vector_collection[3]
+    w = q[3].astype(np.float64) / np.linalg.norm(q[3])
+    before = {i: [h.doc_id for h in stub.Search(vreq(q[i]), timeout=10).hits] for i in range(20)}
+    req = pb.UpsertDocumentRequest(collection="vec", doc_id="long-1", version=1, vector_model_id=MODEL,
+                                   chunks=[pb.ChunkInput(text="zyxlong", vector=(100 * w).tolist())])
+    assert stub.UpsertDocument(req, timeout=10).outcome == pb.WriteResponse.APPLIED
+    own = stub.Search(vreq(w, top_k=1), timeout=10).hits[0]
+    assert own.doc_id == "long-1" and abs(own.score - 1.0) < 1e-4
+    for i in range(20):
+        hits = stub.Search(vreq(q[i]), timeout=10).hits
+        assert max(h.score for h in hits) <= 1.0 + 1e-5
+        if "long-1" not in [h.doc_id for h in hits]:
+            assert [h.doc_id for h in hits] == before[i]  # nowhere near: nothing moved
+    zero = pb.UpsertDocumentRequest(collection="vec", doc_id="zero-1", version=1, vector_model_id=MODEL,
+                                    chunks=[pb.ChunkInput(text="zyxzero", vector=[0.0] * DIM)])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpsertDocument(zero, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "zeros" in err.value.details()
+    assert stub.Search(pb.SearchRequest(collection="vec", text="zyxzero", top_k=5, mode=pb.LEXICAL),
+                       timeout=10).hits == []
+
+
+def test_a_build_scales_its_own_vectors_to_unit_length_and_names_a_zero_one(tmp_path):
+    from index_builder.build import build_collection
+    from index_builder.corpus import Document
+    from server.core.collection import CollectionStore
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((200, 8)).astype(np.float32) * rng.uniform(0.01, 100, (200, 1)).astype(np.float32)
+    docs = [Document(f"s{i}", f"scaled {i}") for i in range(200)]
+    store = CollectionStore(tmp_path / "data")
+    desc = build_collection(docs, store, "scaled", None, "Flat", quiet=True, vectors=x, model_id="m@1")
+    index = faiss.read_index(str(store.build_dir("scaled", desc.build_id) / "shard-000" / "dense.faiss"))
+    stored = index.reconstruct_n(0, index.ntotal)
+    assert np.allclose(np.linalg.norm(stored, axis=1), 1.0, atol=1e-5)
+    x[17] = 0
+    with pytest.raises(ValueError, match="document 's17'.*all zeros"):
+        build_collection(docs, store, "scaled", None, "Flat", quiet=True, vectors=x, model_id="m@1")
+
+
+def test_an_l2_collection_keeps_lengths_and_refuses_vectors_whose_distances_overflow():
+    from server.core import limits
+    from server.core.validation import unit_vectors
+    from server.errors import InvalidArgument
+
+    v = np.array([[3.0, 4.0], [1e17, 0.0]], np.float32)
+    assert np.array_equal(unit_vectors(v, "l2"), v)          # lengths are the distance: kept
+    with pytest.raises(InvalidArgument, match=r"chunk vector \(row 1\) has length"):
+        unit_vectors(np.array([[3.0, 4.0], [limits.MAX_VECTOR_NORM * 2, 0.0]]), "l2", "chunk vector")
+    assert np.allclose(unit_vectors(v, "ip"), [[0.6, 0.8], [1.0, 0.0]])

@@ -21,6 +21,8 @@ MAX_SEQUENCE = 2 ** 63 - 1            # write-log sequence numbers
 MAX_FETCH_ROWS = 4096                 # rows per FetchChunks call
 MAX_CHUNKS_PER_DOC = 4096             # chunks (with vectors) per UpsertDocument
 MAX_BATCH_QUERIES = 1024              # queries per SearchBatch call
+MAX_VECTOR_NORM = 1e18                # l2 collections: longer vectors overflow float32 distances
+                                      # (ip collections scale every vector to unit length)
 MAX_DOC_TEXT_CHARS = 1_000_000
 MAX_TITLE_CHARS = 1_000
 MAX_METADATA_ENTRIES = 64

@@ -34,7 +34,7 @@ from server.core.ranking import merge_topk, minmax_fusion, rm3_expansion, rrf
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import (Candidate, FetchRequest, RankedHit, SearchQuery, SearchResult,
                                ShardQuery, ShardResult, TraceEntry)
-from server.core.validation import validate_query
+from server.core.validation import unit_vectors, validate_query
 from server.errors import (CorpusVersionMismatch, DeadlineExceeded, FailedPrecondition,
                            InvalidArgument, SearchError, Unavailable)
 
@@ -176,6 +176,8 @@ class QueryPipeline:
                 raise FailedPrecondition("a context token budget needs the server's tokenizer")
             if st.mode != "lexical" and st.q.vector is None:
                 self.encoders.check_model(st.coll.desc)
+            elif st.q.vector is not None:  # the caller's own: scaled as the index compares them
+                st.vector = unit_vectors(st.q.vector, st.coll.desc.metric, "query vector")
         except SearchError as exc:
             st.error = exc
             return

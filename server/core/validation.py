@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import numpy as np
 
-from server.backends.docstore import check_filter_key
+from server.backends.docstore import FILTER_KEY, check_filter_key
 from server.core import limits
 from server.core.collection import NAME, ReleaseDescriptor
 from server.core.types import FetchRequest, Filter, SearchQuery, ShardQuery, ShardWrite, WriteRequest
@@ -45,6 +45,37 @@ def check_vector(vector: np.ndarray, model_id: str, desc: ReleaseDescriptor) -> 
                               f"collection {desc.collection!r} has dimension {desc.dim}")
     if not np.isfinite(vector).all():
         raise InvalidArgument("vector contains NaN or infinite values")
+
+
+def unit_vectors(vectors: np.ndarray, metric: str, what: str = "vector") -> np.ndarray:
+    """Vectors (one, or one per row) as the index compares them. An `ip` collection ranks by
+    cosine similarity, so every vector it is given - built, written or queried - is scaled to unit
+    length first (in float64: no finite input overflows), as Qdrant's cosine distance does; without
+    it one long vector outranks everything, and the length of a query vector would decide how much
+    dense feedback moves it. A zero vector has no direction and is refused. An `l2` collection keeps
+    lengths (they are the distance) and refuses vectors too long for float32 distances."""
+    if metric == "ip" and getattr(vectors, "ndim", 0) == 1 and vectors.dtype == np.float32:
+        wide = vectors.astype(np.float64)  # the hot path, one query vector: ~3 us
+        squared = float(np.dot(wide, wide))
+        if 1e-30 < squared < 1e30:  # a float32 scale factor is exact enough; else the slow path
+            return vectors * np.float32(1.0 / math.sqrt(squared))
+    v = np.asarray(vectors, dtype=np.float64)
+    norms = np.linalg.norm(v, axis=-1, keepdims=True)
+    flat = norms.reshape(-1)
+    bad = np.flatnonzero(flat == 0 if metric == "ip" else flat > limits.MAX_VECTOR_NORM)
+    if len(bad):
+        row = int(bad[0])
+        where = "" if v.ndim == 1 else f" (row {row})"
+        err = InvalidArgument(
+            f"{what}{where} is all zeros: under cosine similarity it has no direction to rank by"
+            if metric == "ip" else
+            f"{what}{where} has length {float(flat[row]):.3g}; the cap is "
+            f"{limits.MAX_VECTOR_NORM:g} (float32 distances overflow beyond it)")
+        err.row = row if v.ndim > 1 else None
+        raise err
+    if metric == "ip":
+        return (v / norms).astype(np.float32)
+    return np.asarray(vectors, dtype=np.float32)
 
 
 def validate_query(q: SearchQuery, desc: ReleaseDescriptor, rerank_cap: int) -> str:
@@ -172,7 +203,11 @@ def check_metadata(metadata: dict, acl) -> None:
     if len(metadata) > limits.MAX_METADATA_ENTRIES:
         raise InvalidArgument(f"{len(metadata)} metadata entries; the cap is {limits.MAX_METADATA_ENTRIES}")
     for k, v in metadata.items():
-        check_filter_key(k)
+        try:
+            check_filter_key(k)  # metadata keys are what filters name
+        except InvalidArgument:
+            raise InvalidArgument(f"metadata key {k[:80]!r} must match {FILTER_KEY.pattern} "
+                                  "(filters name it)") from None
         if len(v) > limits.MAX_METADATA_VALUE_CHARS:
             raise InvalidArgument(f"metadata {k!r} exceeds {limits.MAX_METADATA_VALUE_CHARS} characters")
     if len(acl) > limits.MAX_ACL_SCOPES or any(not NAME.match(a) for a in acl):

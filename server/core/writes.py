@@ -22,7 +22,7 @@ from server.core.collection import ReleaseDescriptor
 from server.core.encoders import Encoders
 from server.core.registry import CollectionRegistry
 from server.core.types import ShardWrite, WriteRequest
-from server.core.validation import check_vector, validate_write
+from server.core.validation import check_vector, unit_vectors, validate_write
 from server.errors import InvalidArgument
 
 
@@ -154,4 +154,4 @@ class WritePath:
                                   f"has dimension {desc.dim}")
         for v in vectors:
             check_vector(v, w.vector_model_id, desc)
-        return vectors
+        return unit_vectors(vectors, desc.metric, "chunk vector")

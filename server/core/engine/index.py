@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sqlite3
 import threading
 import time
 from collections import OrderedDict
@@ -155,10 +156,14 @@ class ShardIndex:
             self.tenant_dense[tenant] = DenseIndex.load(tdir, desc.metric, files.get(f"tenants/{tenant}"),
                                                         knobs, device, shard_no)
         vectors_path = self.build_dir / "vectors.npy"
-        self.vectors = ShardVectors(np.load(vectors_path, mmap_mode="r") if vectors_path.is_file()
-                                    else None, desc.dim)
+        try:
+            base = np.load(vectors_path, mmap_mode="r") if vectors_path.is_file() else None
+        except (ValueError, OSError) as exc:  # truncated: "mmap length is greater than file size"
+            raise IndexCorruptError(f"vector file {vectors_path} is unreadable: {exc}") from exc
+        if base is not None and (base.ndim != 2 or base.shape[1] != desc.dim):
+            raise IndexCorruptError(f"vector file {vectors_path} holds {base.shape}, not (n, {desc.dim})")
+        self.vectors = ShardVectors(base, desc.dim)
         self.lexical = LexicalIndex.open(self.state_dir / "lexical")
-        self.store = DocStore(self.state_dir / "docstore.sqlite")
         self.records = RecordCache(record_cache_rows, (desc.collection, str(shard_no)))
         self._rw = RWLock()
         self._write_mutex = threading.Lock()
@@ -166,8 +171,17 @@ class ShardIndex:
         self._filters: dict[tuple, tuple[int, RowFilter]] = {}       # (generation, filter)
         self._masks_lock = threading.Lock()
         self.generation = 0
-        self.recovered = self._recover()
-        self._load_counts()
+        store_path = self.state_dir / "docstore.sqlite"
+        try:
+            self.store = DocStore(store_path)
+            self.recovered = self._recover()
+            self._load_counts()
+        except sqlite3.DatabaseError as exc:  # a truncated or overwritten state copy
+            raise IndexCorruptError(
+                f"document store {store_path} is unreadable: {exc}. The build's own copy is "
+                f"untouched: restore this shard's state from a backup or a replica, or remove "
+                f"{self.state_dir} to serve the build again without the writes applied since"
+            ) from exc
 
     @property
     def nrows(self) -> int:

@@ -76,15 +76,17 @@ def prepare(build_shard: Path, state_shard: Path) -> Path:
 
 
 def _copy_store(src: Path, dst: Path) -> None:
-    if not src.is_file():
-        from server.errors import IndexCorruptError
+    from server.errors import IndexCorruptError
 
+    if not src.is_file():
         raise IndexCorruptError(f"missing document store {src}")
     source = sqlite3.connect(read_only_uri(src), uri=True)
     target = sqlite3.connect(str(dst))
     try:
         source.backup(target)
         target.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.DatabaseError as exc:  # truncated or overwritten: name the file, not a traceback
+        raise IndexCorruptError(f"document store {src} is unreadable: {exc}") from exc
     finally:
         target.close()
         source.close()
