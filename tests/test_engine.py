@@ -581,6 +581,20 @@ def test_a_batch_queued_behind_a_busy_thread_leaves_out_queries_that_died_meanwh
     assert searched == [[1], [4]]
 
 
+def held_first(release: threading.Event):
+    """A device function whose batch starting with query 1 waits for `release` (a busy device),
+    and a query type whose values all share one restriction (so one batch)."""
+    def run_group(queries):
+        if queries[0] == 1:
+            release.wait(10)
+        return list(queries)
+
+    class Q(int):
+        restriction = ("same",)
+
+    return run_group, Q
+
+
 def test_a_dispatch_timer_fires_once_on_uvloops_millisecond_clock():
     """uvloop's loop.time() counts whole milliseconds: read in the timer's own callback it can
     sit just under the time the timer was set for. The scheduler takes the timer's time as now,
@@ -591,15 +605,7 @@ def test_a_dispatch_timer_fires_once_on_uvloops_millisecond_clock():
     from server.core.engine.scheduler import SearchScheduler
 
     release = threading.Event()
-
-    def run_group(queries):
-        if queries[0] == 1:
-            release.wait(10)
-        return list(queries)
-
-    class Q(int):
-        restriction = ("same",)
-
+    run_group, Q = held_first(release)
     pool = ThreadPoolExecutor(2)
     fired = []
 
@@ -629,15 +635,7 @@ def test_a_waiting_group_goes_when_its_timer_fires_whatever_the_float_rounding()
     from server.core.engine.scheduler import SearchScheduler
 
     release = threading.Event()
-
-    def run_group(queries):
-        if queries[0] == 1:
-            release.wait(10)
-        return list(queries)
-
-    class Q(int):
-        restriction = ("same",)
-
+    run_group, Q = held_first(release)
     pool = ThreadPoolExecutor(2)
 
     async def go():
