@@ -47,6 +47,8 @@ class ListenConfig:
                                        "which clients retry)")
     max_inflight: int = opt(256, "admission control: requests beyond this many in flight get "
                                  "RESOURCE_EXHAUSTED at once")
+    default_deadline_s: float = opt(30.0, "a search that brings no deadline gets this one (0 = "
+                                          "none): a hung shard cannot hold it for ever")
     tls_cert: Optional[Path] = opt(None, "PEM certificate chain: serve TLS")
     tls_key: Optional[Path] = opt(None, "PEM private key of --tls-cert")
     tls_client_ca: Optional[Path] = opt(None, "require client certificates signed by this CA "
@@ -189,6 +191,8 @@ class RouterConfig:
     hedge_budget: float = opt(0.10, "hedges per request on average (keep above 0.05: hedging at "
                                     "p95 wants ~5%)")
     hedge_burst: float = opt(10.0, "hedge tokens that can accumulate for a burst of slow calls")
+    hedge_stall_ms: float = opt(1000.0, "a shard call with no answer this long is stalled: a second "
+                                        "replica is tried even when the hedge budget is spent")
     shard_tls_ca: Optional[Path] = opt(None, "reach shards over TLS, trusting this CA")
     shard_tls_cert: Optional[Path] = opt(None, "client certificate for mutual TLS to shards")
     shard_tls_key: Optional[Path] = opt(None, "key of --shard-tls-cert")

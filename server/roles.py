@@ -92,7 +92,8 @@ def run_router(cfg: ServerConfig) -> None:
     device = _device(cfg)
     embedder, reranker = load_models(cfg, device)
     policy = HedgePolicy(enabled=r.hedge, hedge_min_ms=r.hedge_min_ms, hedge_max_ms=r.hedge_max_ms,
-                         hedge_budget=r.hedge_budget, hedge_burst=r.hedge_burst)
+                         hedge_budget=r.hedge_budget, hedge_burst=r.hedge_burst,
+                         stall_ms=r.hedge_stall_ms)
     credentials = None
     if r.shard_tls_ca:
         credentials = grpc.ssl_channel_credentials(

@@ -253,6 +253,33 @@ def test_partial_results_only_when_the_request_allows_them(three_shard_build, ti
             p.stop()
 
 
+def test_a_hung_shard_still_leaves_time_for_a_partial_answer_and_no_search_waits_for_ever(
+        three_shard_build, tiny_embedder):
+    """A shard that hangs (never answers): with allow_partial the router answers from the other
+    shards before the caller's deadline (it keeps a tenth of the time, up to 50 ms, for that),
+    marked partial; without it, DEADLINE_EXCEEDED at the deadline; and a caller that sets no
+    deadline gets the server's default one (--default-deadline-s) instead of waiting for ever."""
+    procs = [ShardProcess(three_shard_build, "cran3", 0), ShardProcess(three_shard_build, "cran3", 1),
+             ShardProcess(three_shard_build, "cran3", 2, "--inject-hang-prob", "1.0")]
+    router = start_router(tiny_embedder, "cran3", [[p.address] for p in procs],
+                          listen={"default_deadline_s": 1.0})
+    try:
+        stub = stub_for(router.address)
+        for timeout in (1.0, None):  # the caller's deadline, then the server's default
+            resp = stub.Search(pb.SearchRequest(collection="cran3", text="slip flow", top_k=5,
+                                                allow_partial=True), timeout=timeout)
+            assert resp.partial and "shard 2" in resp.shard_errors[0]
+            assert len(resp.hits) == 5 and all(h.shard in (0, 1) for h in resp.hits)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Search(pb.SearchRequest(collection="cran3", text="slip flow", top_k=5),
+                            timeout=timeout)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        router.stop()
+        for p in procs:
+            p.stop()
+
+
 def test_hits_shipped_without_text_are_fetched_and_answers_do_not_change(three_shard_build,
                                                                          tiny_embedder):
     """Remote shards send text for their top hits only (text_top_n); the router fetches the texts

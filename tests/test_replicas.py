@@ -79,6 +79,18 @@ def test_without_hedge_budget_a_hung_replica_meets_the_deadline():
     assert fast.calls == 0 and slow.cancelled == 1
 
 
+def test_with_the_budget_spent_a_stalled_call_is_still_retried_on_another_replica():
+    """No tokens and no other traffic to refill them: a call with no answer after `stall_ms` is
+    stalled, and the second replica is tried anyway - it used to wait out its whole deadline."""
+    slow, fast = Replica("slow", "slow"), Replica("fast")
+    rs = ReplicaSet(0, [slow, fast], HedgePolicy(hedge_min_ms=1, hedge_max_ms=5, hedge_budget=0.0,
+                                                 hedge_burst=0.0, stall_ms=50))
+    rs._rr = iter(range(0, 10 ** 6, 2))
+    assert run(rs.search(Q, 30))[0].corpus_version == "v1"
+    assert (slow.calls, fast.calls) == (1, 1) and slow.cancelled == 1
+    assert rs.stats["stall_retries"] == 1 and rs.stats["hedges_won"] == 1
+
+
 def test_least_outstanding_replica_is_picked_first():
     a, b = Replica("a"), Replica("b")
     rs = ReplicaSet(0, [a, b], HedgePolicy(enabled=False))

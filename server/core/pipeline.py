@@ -254,6 +254,10 @@ class QueryPipeline:
         settles each query's shard results and errors."""
         loop = asyncio.get_running_loop()
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
+        if timeout is not None and any(st.q.allow_partial for st in group):
+            # a shard that hangs must fail before the request does, or there is no time left to
+            # answer with the other shards' results: keep a tenth of what is left (up to 50 ms)
+            timeout -= min(0.1 * timeout, 0.05)
         sqs = [st.sq for st in group] if feedback is None else feedback
         calls = await gather([s.search(sqs, timeout) for s in coll.shards], return_exceptions=True)
         per_query: list[list] = [[] for _ in group]

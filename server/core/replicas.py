@@ -17,7 +17,8 @@ Policy, in order:
    The first success wins; the other call is cancelled. Hedges are capped by a budget: every
    request earns `hedge_budget` tokens (default 0.10 = at most ~10% extra requests), a hedge spends
    one, and the bucket holds at most `hedge_burst` tokens. A request that finds the bucket empty
-   looks again after each further delay (other requests refill it).
+   looks again after each further delay (other requests refill it); a call with no answer after
+   `stall_ms` (1 s) is stalled, and the second replica is tried without a token.
 4. **Retry**: a replica that fails with UNAVAILABLE (down, refused, reset, overloaded) or serves
    another build is retried at once on the next untried replica, within the request's deadline.
 5. **Fail fast**: INVALID_ARGUMENT, NOT_FOUND and other FAILED_PRECONDITIONs are the request's
@@ -57,6 +58,10 @@ class HedgePolicy:
     # (measured: bench/bench_hedging.py, docs/BENCHMARKS.md).
     hedge_budget: float = 0.10
     hedge_burst: float = 10.0
+    # a call without an answer this long is stalled, not slow: a second replica is tried even with
+    # the budget spent (a retry of a call that looks dead, not a speculative hedge); without this a
+    # lone request on a stalled replica, with no traffic to refill the bucket, waited out its deadline
+    stall_ms: float = 1000.0
     quantile: float = 95.0
     window: int = 512
     eject_after: int = 3          # timeouts or lost hedges in a row that eject a replica
@@ -120,7 +125,8 @@ class ReplicaSet:
         self._rr = itertools.count()
         self._clock = time.monotonic
         self._tokens = policy.hedge_burst
-        self.stats = {"requests": 0, "hedges": 0, "hedges_won": 0, "retries": 0, "ejections": 0}
+        self.stats = {"requests": 0, "hedges": 0, "hedges_won": 0, "retries": 0, "ejections": 0,
+                      "stall_retries": 0}
 
     @property
     def cache_version(self) -> Optional[int]:
@@ -261,12 +267,19 @@ class ReplicaSet:
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     # with the budget spent, look again after another delay: other requests
-                    # refill it, and a call stuck on a stalled replica must not wait out its deadline
-                    if can_hedge and self._tokens >= 1.0:
-                        self._tokens -= 1.0
-                        hedged_index = launch()
-                        self.stats["hedges"] += 1
-                        metrics.labelled(metrics.HEDGES_SENT, str(self.shard_no)).inc()
+                    # refill it, and past `stall_ms` the call is taken as stalled and a second
+                    # replica is tried anyway: it must not wait out its deadline
+                    if can_hedge:
+                        (_, started), = running.values()
+                        stalled = (time.perf_counter() - started) * 1e3 >= self.policy.stall_ms
+                        if self._tokens >= 1.0 or stalled:
+                            if self._tokens >= 1.0:
+                                self._tokens -= 1.0
+                            else:
+                                self.stats["stall_retries"] += 1
+                            hedged_index = launch()
+                            self.stats["hedges"] += 1
+                            metrics.labelled(metrics.HEDGES_SENT, str(self.shard_no)).inc()
                     continue
                 for task in done:
                     i, _ = running.pop(task)

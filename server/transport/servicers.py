@@ -16,8 +16,11 @@ OUTCOMES = {"applied": pb.WriteResponse.APPLIED, "noop": pb.WriteResponse.NOOP_S
             "accepted": pb.WriteResponse.ACCEPTED}
 
 
-def deadline_of(context) -> float | None:
+def deadline_of(context, default_s: float = 0.0) -> float | None:
+    """The caller's deadline on the loop's clock; `default_s` (when > 0) for a caller without one."""
     remaining = context.time_remaining()
+    if remaining is None:
+        remaining = default_s if default_s > 0 else None
     return None if remaining is None else asyncio.get_running_loop().time() + remaining
 
 
@@ -35,11 +38,14 @@ class SearchServicer(pb_grpc.SearchServiceServicer):
         self.auth = auth
         self.lifecycle = lifecycle
 
+    def _deadline(self, context) -> float | None:
+        return deadline_of(context, self.core.config.listen.default_deadline_s)
+
     @boundary("Search")
     async def Search(self, request, context):
         principal = self.auth.authenticate(context.invocation_metadata())
         result = await self.core.search(codec.query_from_pb(request), principal.tenant,
-                                        deadline_of(context), principal.acl_scopes)
+                                        self._deadline(context), principal.acl_scopes)
         return codec.result_to_pb(result, _dense_kind(self.core, request.collection))
 
     @boundary("SearchBatch")
@@ -53,7 +59,7 @@ class SearchServicer(pb_grpc.SearchServiceServicer):
                 items[i] = exc
         if queries:
             answers = await self.core.search_batch([q for _, q in queries], principal.tenant,
-                                                   deadline_of(context), principal.acl_scopes)
+                                                   self._deadline(context), principal.acl_scopes)
             for (i, _), a in zip(queries, answers):
                 items[i] = a
         out = pb.SearchBatchResponse()
