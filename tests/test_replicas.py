@@ -145,3 +145,70 @@ def test_candidates_from_another_corpus_version_are_never_fused(small_collection
 
     with pytest.raises(CorpusVersionMismatch, match="another-version"):
         run(go())
+
+
+def test_answers_name_their_replica_and_a_pinned_round_asks_that_replica_alone():
+    """A feedback round pinned to the replica that answered the first round goes to it, not to
+    the replica the policy would pick, and is not hedged; a pinned replica that stalls is given
+    up after hedge_max_ms and the policy's pick answers instead (the pipeline then compares the
+    write-log positions before it uses that answer)."""
+    from dataclasses import replace
+
+    a, b = Replica("a"), Replica("b")
+    rs = ReplicaSet(0, [a, b], FAST_HEDGE)
+    rs._rr = iter(range(0, 10 ** 6, 2))  # the policy prefers replica 0 ("a")
+    assert [r.replica for r in run(rs.search(Q, 5))] == ["a"]
+    pinned = [replace(q, replica="b") for q in Q]
+    assert [r.replica for r in run(rs.search(pinned, 5))] == ["b"]
+    assert (a.calls, b.calls) == (1, 1) and rs.stats["hedges"] == 0
+    b.behaviour = "slow"
+    assert [r.replica for r in run(rs.search(pinned, 30))] == ["a"]  # after 5 ms, not 30 s
+    assert (a.calls, b.calls, b.cancelled) == (2, 2, 1)
+
+
+def test_a_feedback_round_is_pinned_per_shard_to_the_first_rounds_replica():
+    """The pipeline pins each shard of a follow-up round to the replica that answered all of the
+    group's first-round queries there; a shard answered by two replicas (or by a shard with no
+    replicas) is left to the policy."""
+    from server.config import PipelineConfig
+    from server.core.pipeline import QueryPipeline, _Query
+
+    class Shard:
+        def __init__(self, no):
+            self.shard_no, self.got = no, []
+
+        async def search(self, queries, timeout=None):
+            self.got.append([q.replica for q in queries])
+            return [ShardResult(self.shard_no, "v1", [], [], 0.0, 0.0) for _ in queries]
+
+    class Coll:
+        shards = [Shard(0), Shard(1), Shard(2)]
+
+    group = [_Query(None), _Query(None)]
+    group[0].shard_results = [ShardResult(0, "v1", [], [], replica="r0b"),
+                              ShardResult(1, "v1", [], [], replica="r1a"),
+                              ShardResult(2, "v1", [], [])]
+    group[1].shard_results = [ShardResult(0, "v1", [], [], replica="r0b"),
+                              ShardResult(1, "v1", [], [], replica="r1b"),
+                              ShardResult(2, "v1", [], [])]
+    pipeline = QueryPipeline(None, None, PipelineConfig(), 0, None)
+    run(pipeline._fan_out(Coll(), group, None, feedback=[Q[0], Q[0]]))
+    assert [s.got for s in Coll.shards] == [[["r0b", "r0b"]], [["", ""]], [["", ""]]]
+
+
+def test_a_second_round_is_used_only_when_it_saw_the_first_rounds_data():
+    """Same replica: the same index version (no write between the rounds); another replica: the
+    same write-log position. Otherwise mixing the rounds could mix two versions of a document."""
+    from server.core.pipeline import QueryPipeline, _Query
+
+    st = _Query(None)
+    st.shard_results = [ShardResult(0, "v1", [], [], index_version=7, applied_seq=90, replica="a")]
+
+    def second(index_version, applied_seq, replica):
+        return [ShardResult(0, "v1", [], [], index_version=index_version, applied_seq=applied_seq,
+                            replica=replica)]
+
+    assert QueryPipeline._same_data(st, second(7, 90, "a"))
+    assert not QueryPipeline._same_data(st, second(8, 91, "a"))   # a write landed in between
+    assert QueryPipeline._same_data(st, second(3, 90, "b"))       # another replica, same position
+    assert not QueryPipeline._same_data(st, second(7, 88, "b"))   # a replica that lags

@@ -141,12 +141,18 @@ class QueryPipeline:
                 hybrid = hybrid or st.mode == "hybrid"
         if hybrid:  # a single retriever's "fusion" is a truncation: not a stage worth a sample
             t = self._lap(states, "fusion", t)
-        feedback = [st for st in states if st.live and st.mode == "hybrid" and self._feedback_k(st)]
+        for st in states:  # a partial first round: no feedback rounds on top (an improvement, and
+            if st.live and st.shard_errors and (  # the failed shards' time is spent): answer now
+                    (st.mode == "hybrid" and self._feedback_k(st))
+                    or (st.mode != "dense" and self._expansion_n(st))):
+                st.notes.append("feedback skipped: the first round was partial")
+        feedback = [st for st in states if st.live and st.mode == "hybrid" and self._feedback_k(st)
+                    and not st.shard_errors]
         if feedback:
             await self._dense_feedback(feedback, tenant, acl_scopes, deadline)
             t = self._lap(feedback, "feedback", t)
         expand = [st for st in states if st.live and st.mode in ("hybrid", "lexical")
-                  and self._expansion_n(st)]
+                  and self._expansion_n(st) and not st.shard_errors]
         if expand:
             await self._lexical_feedback(expand, tenant, acl_scopes, deadline)
             t = self._lap(expand, "lexical_feedback", t)
@@ -256,10 +262,16 @@ class QueryPipeline:
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
         if timeout is not None and any(st.q.allow_partial for st in group):
             # a shard that hangs must fail before the request does, or there is no time left to
-            # answer with the other shards' results: keep a tenth of what is left (up to 50 ms)
-            timeout -= min(0.1 * timeout, 0.05)
+            # answer with the other shards' results (fetching texts, assembling): keep a fifth of
+            # what is left, up to 200 ms
+            timeout -= min(0.2 * timeout, 0.2)
         sqs = [st.sq for st in group] if feedback is None else feedback
-        calls = await gather([s.search(sqs, timeout) for s in coll.shards], return_exceptions=True)
+        per_shard = {s.shard_no: sqs for s in coll.shards}
+        if feedback is not None:  # a follow-up round: ask each shard's replica of the first round
+            for shard_no, replica in self._first_round_replicas(group).items():
+                per_shard[shard_no] = [replace(q, replica=replica) for q in sqs]
+        calls = await gather([s.search(per_shard[s.shard_no], timeout) for s in coll.shards],
+                             return_exceptions=True)
         per_query: list[list] = [[] for _ in group]
         for shard, answer in zip(coll.shards, calls):
             if isinstance(answer, BaseException):
@@ -273,6 +285,32 @@ class QueryPipeline:
             for st, answers in zip(group, per_query):
                 self._settle(st, answers)
         return per_query
+
+    @staticmethod
+    def _same_data(st: _Query, second: list[ShardResult]) -> bool:
+        """Whether a follow-up round saw the data the first round saw, shard by shard: the same
+        replica at the same index version, or another replica at the same write-log position;
+        else mixing the rounds could mix two versions of a document in one answer."""
+        first = {r.shard: r for r in st.shard_results}
+        for r in second:
+            f = first.get(r.shard)
+            if f is None:
+                continue
+            if (r.index_version != f.index_version if r.replica == f.replica
+                    else r.applied_seq != f.applied_seq):
+                return False
+        return True
+
+    @staticmethod
+    def _first_round_replicas(group: list[_Query]) -> dict[int, str]:
+        """Per shard, the replica that answered every query of `group` in the first round (one
+        message per shard per group, so normally one): a feedback round pinned to it never mixes
+        a lagging replica's version of a document with another's."""
+        seen: dict[int, set] = {}
+        for st in group:
+            for r in st.shard_results:
+                seen.setdefault(r.shard, set()).add(r.replica)
+        return {shard: names.pop() for shard, names in seen.items() if len(names) == 1 and "" not in names}
 
     @staticmethod
     def _shard_error(shard_no: int, exc: BaseException) -> SearchError:
@@ -388,6 +426,11 @@ class QueryPipeline:
                 ok = [a for a in ans if isinstance(a, ShardResult)]
                 if len(ok) < len(ans):
                     st.notes.append(f"{what} skipped: a shard failed its second search")
+                    continue
+                if not self._same_data(st, ok):
+                    st.notes.append(f"{what} skipped: a shard answered the second search from "
+                                    "other data than the first (a write, or a replica at another "
+                                    "log position)")
                     continue
                 settle(st, ok)
 

@@ -41,7 +41,8 @@ from typing import Awaitable, Callable, Optional, Sequence
 import numpy as np
 
 from server.core import metrics
-from server.core.types import Candidate, FetchRequest, ShardInfo, ShardQuery, ShardWrite, WriteOutcome
+from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
+                               ShardWrite, WriteOutcome)
 from server.errors import DeadlineExceeded, FailedPrecondition, SearchError, Unavailable
 
 RETRYABLE = (Unavailable, DeadlineExceeded)
@@ -227,14 +228,15 @@ class ReplicaSet:
         self.mark_build(i, m.group(1))
         return True
 
-    async def _hedged(self, op, timeout: Optional[float], check=None):
-        """Run `op(replica, timeout)` under the policy above. `check(i, result)` may raise a
-        SearchError to reject a result (e.g. answers from another build)."""
+    async def _hedged(self, op, timeout: Optional[float], check=None, skip: frozenset = frozenset()):
+        """Run `op(replica, timeout)` under the policy above, on replicas not in `skip`.
+        `check(i, result)` may raise a SearchError to reject a result (e.g. answers from another
+        build)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         self.stats["requests"] += 1
         self._tokens = min(self.policy.hedge_burst, self._tokens + self.policy.hedge_budget)
-        tried: set[int] = set()
+        tried: set[int] = set(skip)
         running: dict[asyncio.Task, tuple[int, float]] = {}
         failures: list[str] = []
         hedged_index: Optional[int] = None
@@ -315,12 +317,38 @@ class ReplicaSet:
 
     # --- the shard interface -----------------------------------------------------------------
     async def search(self, queries: Sequence[ShardQuery], timeout: Optional[float] = None) -> list:
+        """Answers stamped with the replica that gave them. Queries pinned to one replica (a
+        follow-up round: ShardQuery.replica) go to it first, for up to `hedge_max_ms`; if it
+        stalls or fails, the policy picks another for the time left (the caller compares the
+        answers' write-log positions with the first round's before it mixes them)."""
         def check(i, answers):
             for a in answers:  # a replica of another build refuses every query of the batch
                 if isinstance(a, FailedPrecondition) and self._check_build(i, a):
                     raise a
+            for a in answers:
+                if isinstance(a, ShardResult):
+                    a.replica = self._name(i)
 
-        return await self._hedged(lambda r, t: r.search(queries, t), timeout, check)
+        op = lambda r, t: r.search(queries, t)  # noqa: E731
+        pinned = {q.replica for q in queries}
+        if len(pinned) == 1 and (name := pinned.pop()):
+            i = next((j for j in range(len(self.replicas)) if self._name(j) == name), None)
+            if i is not None:
+                limit = self.policy.hedge_max_ms / 1e3
+                limit = limit if timeout is None else min(timeout, limit)
+                started = asyncio.get_running_loop().time()
+                try:
+                    answers = await asyncio.wait_for(self._call(i, op, limit), limit)
+                    check(i, answers)
+                    return answers
+                except (asyncio.TimeoutError, *RETRYABLE):
+                    if timeout is not None:
+                        timeout -= asyncio.get_running_loop().time() - started
+                    if len(self.replicas) == 1 or (timeout is not None and timeout <= 0):
+                        raise DeadlineExceeded(f"shard {self.shard_no}: {name} did not answer "
+                                               f"within {limit * 1e3:.0f} ms") from None
+                return await self._hedged(op, timeout, check, skip={i})
+        return await self._hedged(op, timeout, check)
 
     async def fetch(self, request: FetchRequest, timeout: Optional[float] = None) -> list[Candidate]:
         return await self._hedged(lambda r, t: r.fetch(request, t), timeout)

@@ -76,6 +76,9 @@ class ShardQuery:
     text_top_n: int = 0                # ship text for the first N hits of each list (0 = all)
     min_applied_seq: int = 0           # read-your-writes: answer only once this log position is applied
     expansion: tuple[tuple[str, float], ...] = ()  # lexical feedback: (analysed term, boost)
+    # a router's follow-up round (feedback) asks the replica that answered the first round, so
+    # one answer never mixes two replicas' versions of a document; never sent to a shard
+    replica: str = ""
 
     @property
     def restriction(self) -> tuple:
@@ -168,6 +171,7 @@ class ShardResult:
     index_version: int = 0      # moves on every write to the shard
     applied_seq: int = 0        # the write-log position the answer reflects
     batch_size: int = 1         # queries in the batched search that answered this one
+    replica: str = ""           # which replica of a replica set answered (set by the router)
 
 
 @dataclass(slots=True)
