@@ -147,11 +147,10 @@ def test_candidates_from_another_corpus_version_are_never_fused(small_collection
         run(go())
 
 
-def test_answers_name_their_replica_and_a_pinned_round_asks_that_replica_alone():
+def test_answers_name_their_replica_and_a_pinned_round_asks_that_replica_first():
     """A feedback round pinned to the replica that answered the first round goes to it, not to
-    the replica the policy would pick, and is not hedged; a pinned replica that stalls is given
-    up after hedge_max_ms and the policy's pick answers instead (the pipeline then compares the
-    write-log positions before it uses that answer)."""
+    the replica the policy would pick; under the usual policy otherwise: a pinned replica that
+    stalls is hedged to another one, whose answer the pipeline then checks."""
     from dataclasses import replace
 
     a, b = Replica("a"), Replica("b")
@@ -162,8 +161,21 @@ def test_answers_name_their_replica_and_a_pinned_round_asks_that_replica_alone()
     assert [r.replica for r in run(rs.search(pinned, 5))] == ["b"]
     assert (a.calls, b.calls) == (1, 1) and rs.stats["hedges"] == 0
     b.behaviour = "slow"
-    assert [r.replica for r in run(rs.search(pinned, 30))] == ["a"]  # after 5 ms, not 30 s
-    assert (a.calls, b.calls, b.cancelled) == (2, 2, 1)
+    assert [r.replica for r in run(rs.search(pinned, 30))] == ["a"]  # hedged, not waited out
+    assert (a.calls, b.calls, b.cancelled) == (2, 2, 1) and rs.stats["hedges"] == 1
+
+
+def test_a_pinned_round_on_a_lone_slow_replica_gets_the_whole_deadline():
+    class Slowish(Replica):
+        async def search(self, queries, timeout=None):
+            await asyncio.sleep(0.05)  # slower than hedge_max_ms (5 ms): a slow round, not a stall
+            return await super().search(queries, timeout)
+
+    from dataclasses import replace
+
+    only = Slowish("only")
+    rs = ReplicaSet(0, [only], FAST_HEDGE)
+    assert [r.replica for r in run(rs.search([replace(q, replica="only") for q in Q], 5))] == ["only"]
 
 
 def test_a_feedback_round_is_pinned_per_shard_to_the_first_rounds_replica():
@@ -212,3 +224,36 @@ def test_a_second_round_is_used_only_when_it_saw_the_first_rounds_data():
     assert not QueryPipeline._same_data(st, second(8, 91, "a"))   # a write landed in between
     assert QueryPipeline._same_data(st, second(3, 90, "b"))       # another replica, same position
     assert not QueryPipeline._same_data(st, second(7, 88, "b"))   # a replica that lags
+
+
+def test_a_second_round_from_other_data_is_not_mixed_in():
+    """The pipeline's follow-up round: answers from a replica at another write-log position are
+    left out (the first round's answer stands, with a note); answers from the same data are used."""
+    from server.config import PipelineConfig
+    from server.core.pipeline import QueryPipeline, _Query
+
+    class Shard:
+        shard_no = 0
+
+        def __init__(self, applied_seq):
+            self.applied_seq = applied_seq
+
+        async def search(self, queries, timeout=None):
+            return [ShardResult(0, "v1", [], [], applied_seq=self.applied_seq, replica="b")
+                    for _ in queries]
+
+    class Coll:
+        name = "c"
+
+    settled = []
+    for seq in (90, 88):
+        Coll.shards = [Shard(seq)]
+        st = _Query(None)
+        st.coll = Coll
+        st.shard_results = [ShardResult(0, "v1", [], [], applied_seq=90, replica="a")]
+        pipeline = QueryPipeline(None, None, PipelineConfig(), 0, None)
+        run(pipeline._second_round([st], [Q[0]], None, "dense feedback",
+                                   lambda st, ok: settled.append(ok[0].applied_seq)))
+        if seq == 88:
+            assert any("dense feedback skipped" in n for n in st.notes)
+    assert settled == [90]

@@ -228,15 +228,15 @@ class ReplicaSet:
         self.mark_build(i, m.group(1))
         return True
 
-    async def _hedged(self, op, timeout: Optional[float], check=None, skip: frozenset = frozenset()):
-        """Run `op(replica, timeout)` under the policy above, on replicas not in `skip`.
-        `check(i, result)` may raise a SearchError to reject a result (e.g. answers from another
-        build)."""
+    async def _hedged(self, op, timeout: Optional[float], check=None, first: Optional[int] = None):
+        """Run `op(replica, timeout)` under the policy above, starting with replica `first` when
+        given. `check(i, result)` may raise a SearchError to reject a result (e.g. answers from
+        another build)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         self.stats["requests"] += 1
         self._tokens = min(self.policy.hedge_burst, self._tokens + self.policy.hedge_budget)
-        tried: set[int] = set(skip)
+        tried: set[int] = set()
         running: dict[asyncio.Task, tuple[int, float]] = {}
         failures: list[str] = []
         hedged_index: Optional[int] = None
@@ -244,15 +244,15 @@ class ReplicaSet:
         def remaining() -> Optional[float]:
             return None if deadline is None else deadline - loop.time()
 
-        def launch() -> Optional[int]:
-            i = self._pick(tried)
+        def launch(i: Optional[int] = None) -> Optional[int]:
+            i = self._pick(tried) if i is None else i
             if i is None:
                 return None
             tried.add(i)
             running[asyncio.ensure_future(self._call(i, op, remaining()))] = (i, time.perf_counter())
             return i
 
-        launch()
+        launch(first)
         try:
             while running:
                 left = remaining()
@@ -318,9 +318,9 @@ class ReplicaSet:
     # --- the shard interface -----------------------------------------------------------------
     async def search(self, queries: Sequence[ShardQuery], timeout: Optional[float] = None) -> list:
         """Answers stamped with the replica that gave them. Queries pinned to one replica (a
-        follow-up round: ShardQuery.replica) go to it first, for up to `hedge_max_ms`; if it
-        stalls or fails, the policy picks another for the time left (the caller compares the
-        answers' write-log positions with the first round's before it mixes them)."""
+        follow-up round: ShardQuery.replica) go to it first, under the usual policy otherwise
+        (hedged after the delay, retried elsewhere on failure); the caller compares the answers'
+        data with the first round's before it mixes them."""
         def check(i, answers):
             for a in answers:  # a replica of another build refuses every query of the batch
                 if isinstance(a, FailedPrecondition) and self._check_build(i, a):
@@ -329,26 +329,10 @@ class ReplicaSet:
                 if isinstance(a, ShardResult):
                     a.replica = self._name(i)
 
-        op = lambda r, t: r.search(queries, t)  # noqa: E731
         pinned = {q.replica for q in queries}
-        if len(pinned) == 1 and (name := pinned.pop()):
-            i = next((j for j in range(len(self.replicas)) if self._name(j) == name), None)
-            if i is not None:
-                limit = self.policy.hedge_max_ms / 1e3
-                limit = limit if timeout is None else min(timeout, limit)
-                started = asyncio.get_running_loop().time()
-                try:
-                    answers = await asyncio.wait_for(self._call(i, op, limit), limit)
-                    check(i, answers)
-                    return answers
-                except (asyncio.TimeoutError, *RETRYABLE):
-                    if timeout is not None:
-                        timeout -= asyncio.get_running_loop().time() - started
-                    if len(self.replicas) == 1 or (timeout is not None and timeout <= 0):
-                        raise DeadlineExceeded(f"shard {self.shard_no}: {name} did not answer "
-                                               f"within {limit * 1e3:.0f} ms") from None
-                return await self._hedged(op, timeout, check, skip={i})
-        return await self._hedged(op, timeout, check)
+        name = pinned.pop() if len(pinned) == 1 else ""
+        first = next((j for j in range(len(self.replicas)) if name and self._name(j) == name), None)
+        return await self._hedged(lambda r, t: r.search(queries, t), timeout, check, first=first)
 
     async def fetch(self, request: FetchRequest, timeout: Optional[float] = None) -> list[Candidate]:
         return await self._hedged(lambda r, t: r.fetch(request, t), timeout)
