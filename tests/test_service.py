@@ -81,7 +81,8 @@ BAD = {
                         grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
     "empty query": (dict(collection="cran", text="   ", top_k=5, mode=pb.HYBRID),
                     grpc.StatusCode.INVALID_ARGUMENT, "non-empty"),
-    "no query at all": (dict(collection="cran", top_k=5), grpc.StatusCode.INVALID_ARGUMENT, "non-empty"),
+    "no query at all": (dict(collection="cran", top_k=5), grpc.StatusCode.INVALID_ARGUMENT,
+                        "a query needs a non-empty text or a query vector"),  # no guessed mode
     "unknown mode": (dict(collection="cran", text="x", top_k=5, mode=17),
                      grpc.StatusCode.INVALID_ARGUMENT, "mode"),
     "query too long": (dict(collection="cran", text="a" * (limits.MAX_QUERY_CHARS + 1), top_k=5),

@@ -110,6 +110,8 @@ def validate_query(q: SearchQuery, desc: ReleaseDescriptor, rerank_cap: int) -> 
     check_filters(q.filters)
     needs_text = mode in ("lexical", "hybrid") or (mode == "dense" and q.vector is None)
     if needs_text and not q.text.strip():
+        if not q.mode:  # the caller named no mode: say what a query needs, not what we guessed
+            raise InvalidArgument("a query needs a non-empty text or a query vector")
         raise InvalidArgument(f"mode {mode} needs a non-empty query text"
                               + ("" if mode != "dense" else " or a query vector"))
     if q.vector is not None:
