@@ -153,9 +153,10 @@ def read_only_uri(path: Path) -> str:
     return f"file:{path}?mode=ro{immutable}"
 
 
-def check_filter_key(key: str) -> str:
+def check_filter_key(key: str, what: str = "filter key") -> str:
+    """A metadata key as filters name it (`what` says which of the two the caller checks)."""
     if not FILTER_KEY.match(key):
-        raise InvalidArgument(f"filter key {key[:80]!r} must match {FILTER_KEY.pattern}")
+        raise InvalidArgument(f"{what} {key[:80]!r} must match {FILTER_KEY.pattern}")
     return key
 
 

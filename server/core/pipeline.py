@@ -143,16 +143,15 @@ class QueryPipeline:
             t = self._lap(states, "fusion", t)
         for st in states:  # a partial first round: no feedback rounds on top (an improvement, and
             if st.live and st.shard_errors and (  # the failed shards' time is spent): answer now
-                    (st.mode == "hybrid" and self._feedback_k(st))
-                    or (st.mode != "dense" and self._expansion_n(st))):
+                    self._wants_dense_feedback(st) or self._wants_expansion(st)):
                 st.notes.append("feedback skipped: the first round was partial")
-        feedback = [st for st in states if st.live and st.mode == "hybrid" and self._feedback_k(st)
-                    and not st.shard_errors]
+        feedback = [st for st in states
+                    if st.live and not st.shard_errors and self._wants_dense_feedback(st)]
         if feedback:
             await self._dense_feedback(feedback, tenant, acl_scopes, deadline)
             t = self._lap(feedback, "feedback", t)
-        expand = [st for st in states if st.live and st.mode in ("hybrid", "lexical")
-                  and self._expansion_n(st) and not st.shard_errors]
+        expand = [st for st in states
+                  if st.live and not st.shard_errors and self._wants_expansion(st)]
         if expand:
             await self._lexical_feedback(expand, tenant, acl_scopes, deadline)
             t = self._lap(expand, "lexical_feedback", t)
@@ -376,6 +375,12 @@ class QueryPipeline:
 
     def _rrf_k(self, st: _Query) -> int:
         return st.q.rrf_k or self.config.default_rrf_k
+
+    def _wants_dense_feedback(self, st: _Query) -> bool:
+        return st.mode == "hybrid" and bool(self._feedback_k(st))
+
+    def _wants_expansion(self, st: _Query) -> bool:
+        return st.mode in ("hybrid", "lexical") and bool(self._expansion_n(st))
 
     def _feedback_k(self, st: _Query) -> int:
         k = st.q.feedback_docs

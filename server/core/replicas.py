@@ -271,17 +271,18 @@ class ReplicaSet:
                     # with the budget spent, look again after another delay: other requests
                     # refill it, and past `stall_ms` the call is taken as stalled and a second
                     # replica is tried anyway: it must not wait out its deadline
-                    if can_hedge:
-                        (_, started), = running.values()
-                        stalled = (time.perf_counter() - started) * 1e3 >= self.policy.stall_ms
-                        if self._tokens >= 1.0 or stalled:
-                            if self._tokens >= 1.0:
-                                self._tokens -= 1.0
-                            else:
-                                self.stats["stall_retries"] += 1
-                            hedged_index = launch()
-                            self.stats["hedges"] += 1
-                            metrics.labelled(metrics.HEDGES_SENT, str(self.shard_no)).inc()
+                    if not can_hedge:
+                        continue
+                    (_, started), = running.values()
+                    if self._tokens >= 1.0:
+                        self._tokens -= 1.0
+                    elif (time.perf_counter() - started) * 1e3 >= self.policy.stall_ms:
+                        self.stats["stall_retries"] += 1
+                    else:
+                        continue
+                    hedged_index = launch()
+                    self.stats["hedges"] += 1
+                    metrics.labelled(metrics.HEDGES_SENT, str(self.shard_no)).inc()
                     continue
                 for task in done:
                     i, _ = running.pop(task)

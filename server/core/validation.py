@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import numpy as np
 
-from server.backends.docstore import FILTER_KEY, check_filter_key
+from server.backends.docstore import check_filter_key
 from server.core import limits
 from server.core.collection import NAME, ReleaseDescriptor
 from server.core.types import FetchRequest, Filter, SearchQuery, ShardQuery, ShardWrite, WriteRequest
@@ -205,11 +205,7 @@ def check_metadata(metadata: dict, acl) -> None:
     if len(metadata) > limits.MAX_METADATA_ENTRIES:
         raise InvalidArgument(f"{len(metadata)} metadata entries; the cap is {limits.MAX_METADATA_ENTRIES}")
     for k, v in metadata.items():
-        try:
-            check_filter_key(k)  # metadata keys are what filters name
-        except InvalidArgument:
-            raise InvalidArgument(f"metadata key {k[:80]!r} must match {FILTER_KEY.pattern} "
-                                  "(filters name it)") from None
+        check_filter_key(k, "metadata key")  # metadata keys are what filters name
         if len(v) > limits.MAX_METADATA_VALUE_CHARS:
             raise InvalidArgument(f"metadata {k!r} exceeds {limits.MAX_METADATA_VALUE_CHARS} characters")
     if len(acl) > limits.MAX_ACL_SCOPES or any(not NAME.match(a) for a in acl):

@@ -193,11 +193,7 @@ class SearchScheduler:
         now = time.monotonic() + skew
         live = [p for p in batch
                 if not p.future.done() and (p.deadline is None or now < p.deadline)]
-        if len(live) < len(batch):
-            batch = live
-            if not batch:
-                return batch, []
-        return batch, self.run_group([p.query for p in batch])
+        return live, (self.run_group([p.query for p in live]) if live else [])
 
     def _finish(self, batch: list[_Pending], done, error: Optional[BaseException]) -> None:
         try:
