@@ -388,3 +388,43 @@ def test_an_l2_collection_keeps_lengths_and_refuses_vectors_whose_distances_over
     with pytest.raises(InvalidArgument, match=r"chunk vector \(row 1\) has length"):
         unit_vectors(np.array([[3.0, 4.0], [limits.MAX_VECTOR_NORM * 2, 0.0]]), "l2", "chunk vector")
     assert np.allclose(unit_vectors(v, "ip"), [[0.6, 0.8], [1.0, 0.0]])
+
+
+def test_an_l2_collection_refuses_too_long_vectors_over_grpc_and_changes_nothing(tmp_path):
+    """Through the service: an l2 collection answers INVALID_ARGUMENT for a query or a chunk
+    vector longer than the cap (its float32 distances would overflow), and stays as it was."""
+    from index_builder.build import build_collection
+    from index_builder.corpus import Document
+    from server.core import limits
+    from server.core.collection import CollectionStore
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((200, DIM)).astype(np.float32)
+    store = CollectionStore(tmp_path / "data")
+    desc = build_collection([Document(f"l{i}", f"l2 doc {i}") for i in range(200)], store, "lvec",
+                            None, "Flat", metric="l2", quiet=True, vectors=x, model_id=MODEL)
+    store.publish("lvec", desc.build_id, require_audit=False)
+    long = np.zeros(DIM)
+    long[0] = limits.MAX_VECTOR_NORM * 10
+    srv = start_core_server(tmp_path / "data", None)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            ok = stub.Search(pb.SearchRequest(collection="lvec", top_k=3, mode=pb.DENSE,
+                                              vector=pb.QueryVector(values=x[5].tolist(), model_id=MODEL)),
+                             timeout=10)
+            assert ok.hits[0].doc_id == "l5"
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Search(pb.SearchRequest(collection="lvec", top_k=3, mode=pb.DENSE,
+                                             vector=pb.QueryVector(values=long.tolist(), model_id=MODEL)),
+                            timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cap" in err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.UpsertDocument(pb.UpsertDocumentRequest(
+                    collection="lvec", doc_id="too-long", version=1, vector_model_id=MODEL,
+                    chunks=[pb.ChunkInput(text="zyxtoolong", vector=long.tolist())]), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cap" in err.value.details()
+            assert stub.Search(pb.SearchRequest(collection="lvec", text="zyxtoolong", top_k=3,
+                                                mode=pb.LEXICAL), timeout=10).hits == []
+    finally:
+        srv.stop()
