@@ -1,4 +1,4 @@
-from server.core.chunking import chunk_id, chunk_text, shard_of
+from server.core.chunking import chunk_id, chunk_text, document_chunks, embed_text, shard_of
 
 
 def test_chunk_offsets_point_at_the_chunk_text():
@@ -28,3 +28,14 @@ def test_sharding_is_stable_and_uses_every_shard():
     shards = [shard_of("t", f"doc{i}", 4) for i in range(400)]
     assert shards == [shard_of("t", f"doc{i}", 4) for i in range(400)]
     assert set(shards) == {0, 1, 2, 3}
+
+
+def test_the_embedder_reads_title_and_chunk_joined_as_beir_does():
+    """BEIR's sentence-transformers evaluation (and the reference figures) join title and text
+    with one space; a document that is a title only is embedded as its title."""
+    chunks = document_chunks("Wing flutter", "the flutter of thin wings at supersonic speed")
+    assert [embed_text("Wing flutter", c.text) for c in chunks] == [
+        "Wing flutter the flutter of thin wings at supersonic speed"]
+    title_only = document_chunks("Wing flutter", "")
+    assert [embed_text("Wing flutter", c.text) for c in title_only] == ["Wing flutter"]
+    assert embed_text("", "no title here") == "no title here"
