@@ -142,6 +142,21 @@ def _datasets(specs: Sequence[str]) -> list[tuple[Path, str]]:
     return out
 
 
+def _stale_build(store, name: str, model_id: str) -> str:
+    """Why the collection's live build would not measure this version's code (another chunker or
+    embedder), or "" when it would (or there is none)."""
+    from server.core.chunking import CHUNKER_VERSION
+
+    if name not in store.collections():
+        return ""
+    desc = store.descriptor(name, store.live_build(name))
+    if desc.chunker != CHUNKER_VERSION:
+        return f": its live build used chunker {desc.chunker}, this version {CHUNKER_VERSION}"
+    if desc.model_id != model_id:
+        return f": its live build used embedder {desc.model_id}, this version {model_id}"
+    return ""
+
+
 def _serve(data_dir: Path, datasets: list[tuple[Path, str]]):
     """Build (once) and serve the datasets' collections in this process: exact search (Flat),
     the packaged MiniLM, one shard."""
@@ -157,9 +172,10 @@ def _serve(data_dir: Path, datasets: list[tuple[Path, str]]):
     store = CollectionStore(data_dir)
     embedder = Embedder(None, Device("auto"))
     for path, name in datasets:
-        if name in store.collections():
+        stale = _stale_build(store, name, embedder.model_id)
+        if name in store.collections() and not stale:
             continue
-        print(f"building {name} from {path} (Flat, packaged MiniLM)", file=sys.stderr)
+        print(f"building {name} from {path} (Flat, packaged MiniLM){stale}", file=sys.stderr)
         desc = build_collection(read_corpus(path), store, name, embedder, "Flat", quiet=True)
         audit_build(store, name, desc.build_id)
         store.publish(name, desc.build_id)

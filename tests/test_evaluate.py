@@ -61,3 +61,26 @@ def test_the_paired_tests_tell_a_real_difference_from_noise():
     same = paired_tests(base + rng.normal(0, 0.05, 200), base)
     assert better["mean_diff"] > 0.04 and better["p_randomization"] < 0.001 and better["p_ttest"] < 0.001
     assert same["p_randomization"] > 0.05 and same["p_ttest"] > 0.05
+
+
+def test_eval_rebuilds_a_collection_built_by_another_chunker_or_embedder(tmp_path, tiny_embedder,
+                                                                          cranfield_docs):
+    """`eval --serve-from DIR` reuses a collection it built before only when that build measures
+    this version's code; a build from an older chunker or another embedder is rebuilt, not
+    silently evaluated."""
+    import dataclasses
+
+    from index_builder.evaluate import _stale_build
+    from server.core.chunking import CHUNKER_VERSION
+    from server.core.collection import CollectionStore
+
+    from conftest import publish_build
+
+    store = CollectionStore(tmp_path)
+    assert _stale_build(store, "cran", tiny_embedder.model_id) == ""  # none yet: just build
+    desc = publish_build(tmp_path, "cran", cranfield_docs[:20], tiny_embedder)
+    assert _stale_build(store, "cran", tiny_embedder.model_id) == ""
+    assert "embedder" in _stale_build(store, "cran", "another-model@1")
+    store.write_descriptor(dataclasses.replace(desc, chunker="words-160-32/v3"))
+    why = _stale_build(store, "cran", tiny_embedder.model_id)
+    assert "words-160-32/v3" in why and CHUNKER_VERSION in why
