@@ -147,6 +147,77 @@ def test_writes_during_a_rebuild_are_replayed_and_rollback_keeps_them(two_builds
         srv.stop()
 
 
+def _writes_across_two_compactions(stub, admin, b_doc="b-none"):
+    """x v1 and gone v1 and a delete of `b_doc` (a document only the corpus build B has) on the live
+    build A; compact; x v2, gone deleted, mid; compact again; late. Returns the two compacted
+    builds."""
+    up = lambda d, v, t: stub.UpsertDocument(pb.UpsertDocumentRequest(  # noqa: E731
+        collection="c", doc_id=d, version=v, text=t), timeout=30)
+    up("x", 1, "zyxlineage x version one")
+    up("gone", 1, "zyxlineage gone will be deleted")
+    stub.DeleteDocument(pb.DeleteDocumentRequest(collection="c", doc_id=b_doc, version=5), timeout=30)
+    first = admin.Compact(pb.CompactRequest(collection="c"), timeout=300).build_id
+    up("x", 2, "zyxlineage x version two")
+    stub.DeleteDocument(pb.DeleteDocumentRequest(collection="c", doc_id="gone", version=2), timeout=30)
+    up("mid", 1, "zyxlineage mid written while the first compaction was live")
+    second = admin.Compact(pb.CompactRequest(collection="c"), timeout=300).build_id
+    up("late", 1, "zyxlineage late written while the second compaction was live")
+    return first, second
+
+
+def _lineage_answer(stub):
+    r = stub.Search(pb.SearchRequest(collection="c", text="zyxlineage", top_k=10, mode=pb.LEXICAL),
+                    timeout=30)
+    return r.build_id, sorted((h.doc_id, h.text.split()[-1]) for h in r.hits)
+
+
+LINEAGE_WANT = [("late", "live"), ("mid", "live"), ("x", "two")]
+
+
+def test_a_corpus_build_published_after_compactions_gets_every_earlier_write(two_builds, tiny_embedder,
+                                                                            cranfield_docs):
+    """Regression (outside QA): writes made before a compaction vanished, and a deleted document
+    came back, when a new corpus build was published: only the compacted build's own log was
+    replayed, and its source's writes live in its base files, not in that log."""
+    from index_builder.build import audit_build
+
+    store, a, b = two_builds
+    audit_build(store, "c", b.build_id)
+    srv = start_core_server(store.data_dir, tiny_embedder, pipeline={"retrieval_cache_size": 0})
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub, admin = pb_grpc.SearchServiceStub(ch), pb_grpc.AdminServiceStub(ch)
+            gone_b, kept_b = (f"b-{d.doc_id}" for d in cranfield_docs[80:82])
+            first, second = _writes_across_two_compactions(stub, admin, gone_b)
+            assert srv.core.builds.lineage("c", second) == [a.build_id, first, second]
+            assert _lineage_answer(stub) == (second, LINEAGE_WANT)
+            store.publish("c", b.build_id)
+            run(srv, srv.core.switch_build("c"))
+            assert _lineage_answer(stub) == (b.build_id, LINEAGE_WANT)
+            b_docs = {h.doc_id for h in stub.Search(pb.SearchRequest(
+                collection="c", text="flow", top_k=100, mode=pb.DENSE), timeout=30).hits}
+            assert gone_b not in b_docs and kept_b in b_docs  # the delete made on A holds on B
+    finally:
+        srv.stop()
+
+
+def test_a_rollback_past_two_compactions_keeps_every_write(two_builds, tiny_embedder):
+    """Regression (outside QA): rolling back to the build served before two compactions brought
+    back an old version and a deleted document and lost a write: only the last build's log was
+    replayed into it."""
+    store, a, _ = two_builds
+    srv = start_core_server(store.data_dir, tiny_embedder, pipeline={"retrieval_cache_size": 0})
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub, admin = pb_grpc.SearchServiceStub(ch), pb_grpc.AdminServiceStub(ch)
+            _writes_across_two_compactions(stub, admin)
+            store.publish("c", a.build_id)
+            run(srv, srv.core.switch_build("c"))
+            assert _lineage_answer(stub) == (a.build_id, LINEAGE_WANT)
+    finally:
+        srv.stop()
+
+
 def test_a_vector_from_the_previous_model_is_refused_after_a_migration(two_builds, tiny_embedder,
                                                                        tiny_embedder_dir, cranfield_docs):
     from index_builder.build import audit_build, build_collection

@@ -3,7 +3,10 @@ alias flips, replaying writes into a new build, and compaction.
 
 A switch loads the new build, replays the current build's logged writes into it (version-checked,
 so idempotent; progress kept in the new build's state), then - with writes paused - replays the
-tail and swaps the registry entry. Each query resolves its collection once, so it sees one build.
+tail and swaps the registry entry. A compacted build holds its source's writes in its base files,
+not in its own log, so a switch replays the logs of the whole compaction lineage (the oldest
+build first): a new corpus build published after a compaction, or a rollback past one, still
+gets every write. Each query resolves its collection once, so it sees one build.
 Rolling back is the same switch in the other direction. Writes logged with the new build's model
 are replayed with their own vectors; others are re-embedded, which needs that model here.
 """
@@ -127,13 +130,38 @@ class BuildManager:
     def _state_build_dir(self, name: str, build_id: str) -> Path:
         return self.state_root / name / build_id
 
-    async def replay(self, name: str, source_build: str, target: LoadedCollection) -> int:
-        """Apply the source build's logged writes that the target has not seen yet (idempotent:
-        each is version-checked), recording progress in the target's state."""
-        from server.core.compaction import read_replay_marker, write_replay_marker
+    def lineage(self, name: str, build_id: str) -> list[str]:
+        """`build_id` and the builds it was compacted from, oldest first. A compacted build's
+        base files hold its source's writes, so its own log does not: replaying a build's writes
+        elsewhere means replaying its lineage's logs. Stops at a corpus build or one removed."""
+        chain, seen = [build_id], {build_id}
+        builds = set(self.store.builds(name))
+        source = self.store.descriptor(name, build_id).compacted_from
+        while source and source in builds and source not in seen:
+            chain.append(source)
+            seen.add(source)
+            source = self.store.descriptor(name, source).compacted_from
+        if source and source not in builds:
+            log.warning("%s: build %s was compacted from %s, which is gone: writes logged only "
+                        "there cannot be replayed", name, chain[-1], source)
+        return chain[::-1]
 
+    async def replay(self, name: str, source_build: str, target: LoadedCollection) -> int:
+        """Apply the writes logged by the source build and its compaction lineage that the
+        target has not seen yet (idempotent: each is version-checked), oldest build first,
+        recording progress per build in the target's state. The target's own log is in its state
+        already (a rollback to a build that served before)."""
         if source_build == target.desc.build_id:
             return 0
+        applied = 0
+        for build in self.lineage(name, source_build):
+            if build != target.desc.build_id:
+                applied += await self._replay_log(name, build, target)
+        return applied
+
+    async def _replay_log(self, name: str, source_build: str, target: LoadedCollection) -> int:
+        from server.core.compaction import read_replay_marker, write_replay_marker
+
         tstate = check_writable(self._state_build_dir(name, target.desc.build_id))
         marker = read_replay_marker(tstate, self.store.build_dir(name, target.desc.build_id))
         done = marker.setdefault(source_build, {})
