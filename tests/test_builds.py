@@ -50,6 +50,28 @@ def test_publish_refuses_a_build_without_an_audit(two_builds):
     assert store.live_build("c") == a.build_id
 
 
+def test_publish_refuses_a_build_whose_files_were_damaged_after_its_audit(two_builds):
+    """Regression (outside QA): a build truncated after its audit was published; every server
+    then logged an error each poll and the next start failed for every collection."""
+    from index_builder.build import audit_build
+    from server.errors import FailedPrecondition
+
+    store, a, b = two_builds
+    audit_build(store, "c", b.build_id)
+    target = store.build_dir("c", b.build_id) / "shard-001" / "dense.faiss"
+    whole = target.read_bytes()
+    target.write_bytes(whole[:1000])
+    with pytest.raises(FailedPrecondition, match=f"{target} is 1000 bytes, the build recorded {len(whole)}"):
+        store.publish("c", b.build_id)
+    target.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))  # same size, one bit flipped
+    with pytest.raises(FailedPrecondition, match="fails its sha256 check"):
+        store.publish("c", b.build_id)
+    assert store.live_build("c") == a.build_id  # nothing changed
+    target.write_bytes(whole)
+    store.publish("c", b.build_id)
+    assert store.live_build("c") == b.build_id
+
+
 def test_publish_refuses_a_build_whose_counts_do_not_reconcile(two_builds, tmp_path):
     from index_builder.build import audit_build
 

@@ -247,7 +247,7 @@ class BuildManager:
             self.store, name, desc.build_id, min_recall=min_recall))
         if not (audit["passed"] and audit["reconciliation"]["passed"]):
             raise FailedPrecondition(f"compacted build {desc.build_id} failed its checks: {audit}")
-        self.store.publish(name, desc.build_id)
+        self.store.publish(name, desc.build_id, verify_files=False)  # written and audited just now
         switched = await self.switch_build(name, desc.build_id)
         return {"build_id": desc.build_id, "previous": coll.desc.build_id, "rows_before": before,
                 "rows_after": desc.chunks, "replayed": switched["replayed"],

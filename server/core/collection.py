@@ -256,10 +256,36 @@ class CollectionStore:
     def write_descriptor(self, desc: ReleaseDescriptor) -> None:
         atomic_write(self.build_dir(desc.collection, desc.build_id) / DESCRIPTOR, desc.to_json())
 
+    def verify_files(self, name: str, build_id: str) -> None:
+        """Every shard's document store is there and every file the build recorded has its size
+        and sha256: a build damaged after its audit is refused at publish, not found by each
+        server that follows the alias (and by the next start, which would fail)."""
+        from server.backends.dense import file_sha256
+
+        desc = self.descriptor(name, build_id)
+        build_dir = self.build_dir(name, build_id)
+        for s in range(desc.shards):
+            shard = shard_dir_name(s)
+            store = build_dir / shard / "docstore.sqlite"
+            if not store.is_file():
+                raise FailedPrecondition(f"build {build_id}: missing {store}; not published")
+            for fname, want in desc.shard_files.get(shard, {}).items():
+                path = build_dir / shard / fname
+                size = path.stat().st_size if path.is_file() else None
+                if size != want["bytes"]:
+                    raise FailedPrecondition(
+                        f"build {build_id}: {path} is "
+                        + ("missing" if size is None else f"{size} bytes")
+                        + f", the build recorded {want['bytes']}; not published")
+                if file_sha256(path) != want["sha256"]:
+                    raise FailedPrecondition(f"build {build_id}: {path} fails its sha256 check "
+                                             "(corrupted); not published")
+
     def publish(self, name: str, build_id: str, require_audit: bool = True,
-                min_recall: Optional[float] = None) -> dict:
+                min_recall: Optional[float] = None, verify_files: bool = True) -> dict:
         """Point the alias at `build_id` in one atomic write; the old live build becomes `previous`.
-        Refused unless the build's recall audit and count reconciliation passed."""
+        Refused unless the build's recall audit and count reconciliation passed and its files
+        are whole (`verify_files`; a compaction that has just written and audited them skips it)."""
         desc = self.descriptor(name, build_id)
         if require_audit:
             audit = desc.audit
@@ -276,6 +302,8 @@ class CollectionStore:
                 raise FailedPrecondition(
                     f"build {build_id} recall@{audit.get('k')} = {audit.get('recall'):.4f} is below "
                     f"the required {threshold:.4f}; not published")
+        if verify_files:
+            self.verify_files(name, build_id)
         alias_path = self.collection_dir(name) / "ALIAS"
         previous = None
         if alias_path.is_file():
