@@ -22,17 +22,28 @@ class Document:
     vector: Optional[list] = None  # your own embedding of this document (one chunk), if any
 
 
+def _check_unicode(value, field: str) -> None:
+    """JSON's \\ud800-style escapes can spell a lone surrogate, which no UTF-8 text holds (the
+    tokenizer would fail on it later without naming the document)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{field} is not valid Unicode ({exc.reason} at character "
+                             f"{exc.start})") from None
+
+
 def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Document]:
     """Yield documents; a malformed line raises ValueError naming the file and line."""
     path = Path(path)
     if path.is_dir():
         path = path / "corpus.jsonl"
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:  # decoded line by line: a bad byte is reported with its line
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
                 doc_id = obj.get("_id", obj.get("id"))
                 if doc_id is None or "text" not in obj:
                     raise ValueError("needs an id (or _id) and a text")
@@ -46,6 +57,8 @@ def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Documen
                 if vector is not None and (not isinstance(vector, list) or not vector
                                            or not all(isinstance(x, (int, float)) for x in vector)):
                     raise ValueError("vector must be a non-empty list of numbers")
+                for field in ("text", "title"):
+                    _check_unicode(obj.get(field), field)
                 yield Document(str(doc_id), str(obj["text"]), str(obj.get("title") or ""),
                                {str(k): str(v) for k, v in meta.items()},
                                str(obj.get("tenant") or default_tenant), tuple(str(a) for a in acl),

@@ -71,6 +71,25 @@ def test_bad_corpus_lines_and_factories_are_clear_errors(tmp_path):
     assert not any((tmp_path / "x" / "builds").glob("*"))  # no half build left behind
 
 
+def test_undecodable_corpus_lines_name_their_file_and_line(tmp_path):
+    """Regression (outside QA): a byte that is not UTF-8 was reported without file or line, and a
+    lone surrogate (a JSON escape no UTF-8 text can hold) failed later in the tokenizer with a
+    bare TypeError."""
+    from index_builder.corpus import read_corpus
+
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"id": "1", "text": "ok"}\n{"id": "2", "text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{latin1}:2: 'utf-8' codec can't decode byte 0xe9")):
+        list(read_corpus(latin1))
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text('{"id": "1", "text": "ok"}\n{"id": "2", "title": "bad \\ud800 title", "text": "x"}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{lone}:2: title is not valid Unicode")):
+        list(read_corpus(lone))
+    bom = tmp_path / "bom.jsonl"  # a byte-order mark (Windows exports) is not an error
+    bom.write_bytes(b'\xef\xbb\xbf{"id": "1", "text": "caf\xc3\xa9"}\n')
+    assert [d.text for d in read_corpus(bom)] == ["caf\u00e9"]
+
+
 @pytest.mark.parametrize("damaged", ["dense.faiss", "docstore.sqlite", "vectors.npy", "state"])
 def test_a_corrupted_build_fails_at_load_naming_the_file(built, tiny_embedder, damaged):
     """A truncated file of the build (or of a shard's state copy) fails the load with an
