@@ -39,6 +39,10 @@ def hybrid_server(tmp_path_factory, tiny_embedder, tiny_reranker_dir):
              "iolite", "jasper", "kyanite", "lazurite"]
     for i, w in enumerate(words):
         docs.append(Document(f"zx{i}", f"zyxmineral sample {w} {w} {w}", title=f"{w} note"))
+    # Unicode forms: a decomposed accent (e + U+0301) and full-width letters
+    docs.append(Document("uni1", "Advice on re\u0301sume\u0301 writing for engineers.", title="careers"))
+    docs.append(Document("uni2", "A \uff46\uff4c\uff55\uff58\uff47\uff41\uff54\uff45 magnetometer.",
+                         title="instruments"))
     data = tmp_path_factory.mktemp("hybrid")
     publish_build(data, "h", docs, tiny_embedder, "HNSW16,Flat", shards=3)
     reranker = CrossEncoder(tiny_reranker_dir, Device("cpu"))
@@ -134,6 +138,19 @@ def test_weighted_fusion_scores_each_list_by_its_share(stub):
         expected = (1.4 / (60 + h.dense.rank) if h.dense.rank else 0) + \
                    (0.6 / (60 + h.lexical.rank) if h.lexical.rank else 0)
         assert h.score == pytest.approx(expected, rel=1e-5)
+
+
+def test_lexical_matches_text_and_queries_in_any_unicode_form(stub):
+    """Regression (outside QA): a document stored as "resume" + a combining accent was never
+    found by the query "résumé" (the tokenizer split off the accent); text and queries are now
+    NFKC-normalised before analysis, so decomposed, composed and full-width forms meet."""
+    for query, doc in (("r\u00e9sum\u00e9", "uni1"), ("re\u0301sume\u0301", "uni1"),
+                       ("fluxgate", "uni2"), ("\uff26\uff2c\uff35\uff38\uff27\uff21\uff34\uff25", "uni2")):
+        hits = search(stub, text=query, mode=pb.LEXICAL).hits
+        assert [h.doc_id for h in hits][:1] == [doc], (query, [h.doc_id for h in hits])
+    # the stored text is returned as it was written, not normalised
+    hit = search(stub, text="r\u00e9sum\u00e9", mode=pb.LEXICAL).hits[0]
+    assert "re\u0301sume\u0301" in hit.text
 
 
 def test_lexical_feedback_expands_the_bm25_query_with_terms_of_the_first_hits(stub):

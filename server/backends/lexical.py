@@ -1,6 +1,8 @@
 """BM25 over one shard with tantivy.
 
-Analyzer (documented and measured in docs/ARCHITECTURE.md): tantivy's `simple` tokenizer (splits on
+Analyzer (documented and measured in docs/ARCHITECTURE.md): Unicode NFKC normalisation of the text
+(so a decomposed "e" + combining accent, a ligature or a full-width letter index as the composed
+form a query types), then tantivy's `simple` tokenizer (splits on
 non-alphanumerics, so identifiers like NACA-TN-1234 become naca/tn/1234 and still match as terms),
 tokens over 40 chars dropped, lowercase, English stopwords removed, Snowball English stemming.
 Queries go through the same analyzer and become a disjunction of term queries over title and text,
@@ -17,6 +19,7 @@ import os
 import shutil
 import tempfile
 import threading
+import unicodedata
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -25,7 +28,13 @@ import tantivy
 from server.errors import IndexCorruptError
 
 ANALYZER_NAME = "en_bm25"
-ANALYZER_VERSION = "simple+remove_long40+lower+stop_en+snowball_en/v1"
+ANALYZER_VERSION = "nfkc+simple+remove_long40+lower+stop_en+snowball_en/v2"
+
+
+def normalize(text: str) -> str:
+    """NFKC, before tantivy's tokenizer: it splits on anything not alphanumeric, so "resume" +
+    U+0301 (a combining accent) would index as "resume" and never match a query's "résumé"."""
+    return text if text.isascii() else unicodedata.normalize("NFKC", text)
 
 
 def make_analyzer() -> "tantivy.TextAnalyzer":
@@ -46,7 +55,7 @@ def analyze(text: str) -> list[str]:
     analyzer = getattr(_local, "analyzer", None)
     if analyzer is None:
         analyzer = _local.analyzer = make_analyzer()
-    return analyzer.analyze(text)
+    return analyzer.analyze(normalize(text))
 
 
 def make_schema() -> "tantivy.Schema":
@@ -112,8 +121,8 @@ class LexicalIndex:
             doc = tantivy.Document()
             doc.add_unsigned("row", int(row))
             if title:
-                doc.add_text("title", title)
-            doc.add_text("text", text)
+                doc.add_text("title", normalize(title))
+            doc.add_text("text", normalize(text))
             doc.add_text("tenant", tenant)
             for scope in acl:
                 doc.add_text("acl", scope)
@@ -202,7 +211,7 @@ class LexicalIndex:
         when longer ones exist: in conversational queries they are debris ("I'm" -> i, m) that
         matches authors' initials (measured on CACM: docs/BENCHMARKS.md)."""
         counts: dict[str, int] = {}
-        for tok in self.analyzer.analyze(text):
+        for tok in self.analyzer.analyze(normalize(text)):
             counts[tok] = counts.get(tok, 0) + 1
         if any(len(t) > 1 for t in counts):
             counts = {t: n for t, n in counts.items() if len(t) > 1}
