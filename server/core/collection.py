@@ -62,19 +62,21 @@ class ReleaseDescriptor:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     def for_tenant(self, tenant: str) -> "ReleaseDescriptor":
-        """The view a tenant-scoped admin gets: no other tenant's name or size appears in it."""
+        """The view a tenant-scoped admin gets: no other tenant's name or size appears in it -
+        no collection-wide count either (the whole minus its own is the others' size), so the
+        per-shard counts go and the reconciliation keeps only its verdict."""
         from dataclasses import replace
 
-        def strip(d: Optional[dict]) -> Optional[dict]:
-            return None if d is None else {k: v for k, v in d.items() if k != "tenants"}
-
         own = self.tenants.get(tenant, 0)
+        recon = self.reconciliation
         return replace(
             self, tenants={tenant: own} if own else {},
             dedicated_tenants={s: [t for t in ts if t == tenant]
                                for s, ts in self.dedicated_tenants.items() if tenant in ts},
-            shard_counts={s: strip(c) for s, c in self.shard_counts.items()},
-            reconciliation=strip(self.reconciliation), audit=strip(self.audit),
+            shard_counts={}, log_positions={},
+            reconciliation=None if recon is None else {k: recon[k] for k in ("passed", "reconciled_at")
+                                                       if k in recon},
+            audit=None if self.audit is None else {k: v for k, v in self.audit.items() if k != "tenants"},
             chunks=own, documents=0)
 
     @classmethod
@@ -269,17 +271,23 @@ class CollectionStore:
             store = build_dir / shard / "docstore.sqlite"
             if not store.is_file():
                 raise FailedPrecondition(f"build {build_id}: missing {store}; not published")
-            for fname, want in desc.shard_files.get(shard, {}).items():
-                path = build_dir / shard / fname
-                size = path.stat().st_size if path.is_file() else None
-                if size != want["bytes"]:
-                    raise FailedPrecondition(
-                        f"build {build_id}: {path} is "
-                        + ("missing" if size is None else f"{size} bytes")
-                        + f", the build recorded {want['bytes']}; not published")
-                if file_sha256(path) != want["sha256"]:
-                    raise FailedPrecondition(f"build {build_id}: {path} fails its sha256 check "
-                                             "(corrupted); not published")
+            todo = [(build_dir / shard, desc.shard_files.get(shard, {}))]
+            while todo:  # {file: {bytes, sha256}}, and {"tenants/T": {...}} for dedicated indexes
+                base, files = todo.pop()
+                for fname, want in files.items():
+                    path = base / fname
+                    if "bytes" not in want:
+                        todo.append((path, want))
+                        continue
+                    size = path.stat().st_size if path.is_file() else None
+                    if size != want["bytes"]:
+                        raise FailedPrecondition(
+                            f"build {build_id}: {path} is "
+                            + ("missing" if size is None else f"{size} bytes")
+                            + f", the build recorded {want['bytes']}; not published")
+                    if file_sha256(path) != want["sha256"]:
+                        raise FailedPrecondition(f"build {build_id}: {path} fails its sha256 "
+                                                 "check (corrupted); not published")
 
     def publish(self, name: str, build_id: str, require_audit: bool = True,
                 min_recall: Optional[float] = None, verify_files: bool = True) -> dict:
