@@ -366,6 +366,47 @@ def test_a_replica_on_another_build_is_routed_around_and_the_router_follows_a_fi
         r2.stop()
 
 
+def test_replicas_that_all_flipped_keep_answering_the_router_until_it_follows(
+        tmp_path, tiny_embedder, cranfield_docs):
+    """Regression (outside QA): once every replica had followed a publish and the router had not
+    yet, no replica answered the router's build: 230 of 730 searches failed over 2.5-6 s. A
+    replica now answers requests naming the build it served before for a grace period, and says
+    so in ShardInfo (`also_serves`), so the router keeps it in rotation until it follows."""
+    from index_builder.build import audit_build, build_collection
+    from server.core.collection import CollectionStore
+    from server.rpc import shard_pb2 as spb
+    from server.rpc import shard_pb2_grpc as spb_grpc
+
+    b1 = publish_build(tmp_path, "rf", cranfield_docs[:40], tiny_embedder)
+    store = CollectionStore(tmp_path)
+    b2 = build_collection(cranfield_docs[40:80], store, "rf", tiny_embedder, quiet=True)
+    audit_build(store, "rf", b2.build_id)
+    replicas = [ShardProcess(tmp_path, "rf", 0, "--alias-poll-s", "0.2") for _ in range(2)]
+    router = start_router(tiny_embedder, "rf", [[r.address for r in replicas]])  # never follows
+    try:
+        stub = stub_for(router.address)
+        assert stub.Search(pb.SearchRequest(collection="rf", text="flow", top_k=3),
+                           timeout=10).build_id == b1.build_id
+        store.publish("rf", b2.build_id)
+        infos = [spb_grpc.ShardServiceStub(grpc.insecure_channel(r.address)) for r in replicas]
+        deadline = time.monotonic() + 60
+        while not all(i.ShardInfo(spb.ShardInfoRequest(), timeout=10).build_id == b2.build_id
+                      for i in infos):
+            assert time.monotonic() < deadline, "the replicas did not follow the publish"
+            time.sleep(0.1)
+        assert all(list(i.ShardInfo(spb.ShardInfoRequest(), timeout=10).also_serves) == [b1.build_id]
+                   for i in infos)
+        for i in range(60):  # every replica has flipped; the router is still on B1
+            resp = stub.Search(pb.SearchRequest(collection="rf", text=QUERIES[i % len(QUERIES)],
+                                                top_k=3, mode=(pb.HYBRID, pb.LEXICAL, pb.DENSE)[i % 3]),
+                               timeout=10)
+            assert resp.build_id == b1.build_id and resp.hits and not resp.partial
+    finally:
+        router.stop()
+        for r in replicas:
+            r.stop()
+
+
 def test_a_stopped_replica_costs_no_query_its_deadline(three_shard_build, tiny_embedder):
     """Regression (issue 10.4): one replica of two SIGSTOPped under 8 client threads with a 3 s
     deadline failed 11 queries (8 in hybrid mode even with unlimited hedging): FetchChunks was not

@@ -147,6 +147,7 @@ class ShardInfo:
     tombstone_ratio: float = 0.0
     address: str = ""           # for replicas: which one answered
     replicas: list = field(default_factory=list)  # a replica set: every replica's own ShardInfo
+    also_serves: tuple = ()     # builds still answered after an alias flip (a grace period)
 
 
 @dataclass(slots=True)

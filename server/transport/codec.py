@@ -236,10 +236,12 @@ def info_to_pb(i: ShardInfo) -> spb.ShardInfoResponse:
                                  chunks=i.chunks, descriptor_json=i.descriptor_json,
                                  index_version=i.index_version, applied_seq=i.applied_seq,
                                  documents=i.documents, vectors=i.vectors, live_digest=i.live_digest,
-                                 state=i.state, tombstone_ratio=i.tombstone_ratio)
+                                 state=i.state, tombstone_ratio=i.tombstone_ratio,
+                                 also_serves=i.also_serves)
 
 
 def info_from_pb(r: spb.ShardInfoResponse, address: str = "") -> ShardInfo:
     return ShardInfo(r.shard, r.collection, r.build_id, r.corpus_version, r.model_id,
                      r.index_version, r.applied_seq, r.documents, r.chunks, r.vectors,
-                     r.descriptor_json, r.live_digest, r.state or "serving", r.tombstone_ratio, address)
+                     r.descriptor_json, r.live_digest, r.state or "serving", r.tombstone_ratio, address,
+                     also_serves=tuple(r.also_serves))

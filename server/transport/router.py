@@ -3,7 +3,8 @@ the build its replicas serve.
 
 The router needs no copy of the index files: it reads each replica's release descriptor over
 ShardInfo. At start it serves the build most replicas serve (the newest on a tie); replicas on
-another build are out of rotation. `follow_builds` re-reads every replica's ShardInfo and moves
+another build are out of rotation - but not one that flipped to a new build and still answers for
+the router's (its ShardInfo `also_serves` it for a grace period). `follow_builds` re-reads every replica's ShardInfo and moves
 the router to a published build once every replica of every shard serves it, and puts replicas
 that came back to the router's build into rotation again.
 """
@@ -91,8 +92,11 @@ def _adopt(sets: Sequence[ReplicaSet], infos: list[list], desc: ReleaseDescripto
         rs.build_id = desc.build_id
         for i, info in enumerate(shard):
             if info is not None:
-                rs.mark_build(i, info.build_id)
-                if info.build_id != desc.build_id:
+                # a replica that flipped to a new build still answers for the one before it for a
+                # while (`also_serves`): it stays in rotation until the router follows
+                serves = desc.build_id in (info.build_id, *info.also_serves)
+                rs.mark_build(i, desc.build_id if serves else info.build_id)
+                if not serves:
                     log.warning("shard %d replica %s serves build %s, not %s: out of rotation",
                                 rs.shard_no, info.address, info.build_id, desc.build_id)
 

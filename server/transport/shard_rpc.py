@@ -94,9 +94,18 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
 
     def __init__(self, shard, lifecycle: Lifecycle, auth: ShardAuth, status=None):
         self.shard = shard
+        # after an alias flip, the build served before, for a grace period: a router that has
+        # not followed the flip yet still reads it (shard_server.ShardReplica.follow_aliases)
+        self.previous = None
         self.lifecycle = lifecycle
         self.auth = auth
         self.status = status  # e.g. the log consumer: "catching_up" until it has caught up
+
+    def _serving(self, build_id: str):
+        previous = self.previous
+        if previous is not None and build_id and build_id == previous.desc.build_id:
+            return previous
+        return self.shard
 
     @boundary("SearchShard")
     async def SearchShard(self, request, context):
@@ -111,7 +120,8 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
             except errors.SearchError as exc:
                 answers[i] = exc
         if queries:
-            results = await self.shard.search([q for _, q in queries], context.time_remaining())
+            shard = self._serving(queries[0][1].build_id)
+            results = await shard.search([q for _, q in queries], context.time_remaining())
             for (i, q), r in zip(queries, results):
                 answers[i] = r
         out = spb.ShardSearchResponse()
@@ -130,7 +140,8 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
     @boundary("FetchChunks")
     async def FetchChunks(self, request, context):
         self.auth.check(context.invocation_metadata())
-        cands = await self.shard.fetch(codec.fetch_from_pb(request), context.time_remaining())
+        cands = await self._serving(request.build_id).fetch(codec.fetch_from_pb(request),
+                                                            context.time_remaining())
         return spb.FetchChunksResponse(chunks=[codec.hit_to_pb(c) for c in cands])
 
     @boundary("ApplyWrites")
@@ -149,6 +160,8 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
         info = await self.shard.info(request.tenant or None, request.digest)
         if self.status is not None:
             info.state = self.status()
+        if self.previous is not None:
+            info.also_serves = (self.previous.desc.build_id,)
         return codec.info_to_pb(info)
 
 

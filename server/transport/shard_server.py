@@ -5,8 +5,10 @@
   it catches up before it reports SERVING, and answers searches UNAVAILABLE until then, so a
   router uses its siblings.
 - Without --build it serves the collection's live build and follows alias flips: the new build is
-  loaded and caught up from its own log position, then swapped in; the old one closes after a
-  grace period (requests that resolved it finish on it).
+  loaded and caught up from its own log position, then swapped in. The old one keeps answering
+  requests that name it, and keeps applying its write log, for a grace period (RETIRE_AFTER_S):
+  a router that has not followed the flip yet still reads every replica (ShardInfo lists it in
+  `also_serves`) instead of finding none on its build once all replicas have flipped.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class ShardReplica:
         self.faults = FaultSpec(s.inject_delay_prob, s.inject_delay_ms, s.inject_fail_prob,
                                 s.inject_hang_prob, s.inject_seed)
         self.served = None  # what the servicer calls: the shard, or its fault-injecting wrapper
+        self.previous = None  # (served, shard, replicator) of the build before the last flip
         from server.roles import default_replica_id
 
         self.replica_id = default_replica_id(cfg)
@@ -92,21 +95,36 @@ class ShardReplica:
                 if self.js is not None:
                     replicator = self._replicator(new)
                     await replicator.catch_up()
-                old, old_rep = self.local, self.replicator
+                await self._retire(None, swap)  # a flip within the grace period: the one before goes now
+                old = self.previous = (self.served, self.local, self.replicator)
                 self.local, self.replicator = new, replicator
                 self.served = FaultyShard(new, self.faults) if self.faults.active else new
-                swap(self.served)
+                swap(self.served, old[0])
                 if replicator is not None:
                     loop.create_task(replicator.run())
-                if old_rep is not None:
-                    await old_rep.stop()
-                log.info("shard %d of %s now serves build %s (was %s)", self.shard_no,
-                         self.collection, live, old.desc.build_id)
-                loop.call_later(RETIRE_AFTER_S, lambda o=old: loop.create_task(o.close()))
+                log.info("shard %d of %s now serves build %s (was %s; it answers requests that "
+                         "name it for %gs)", self.shard_no, self.collection, live,
+                         old[1].desc.build_id, RETIRE_AFTER_S)
+                loop.call_later(RETIRE_AFTER_S, lambda o=old: loop.create_task(self._retire(o, swap)))
             except (SearchError, OSError, ValueError) as exc:
                 log.error("cannot follow %s to its live build: %s", self.collection, exc)
 
+    async def _retire(self, which=None, swap=None) -> None:
+        """Close the previous build (`which`, if it is still the previous one) and its log
+        consumer; the servicer stops answering for it first."""
+        previous = self.previous
+        if previous is None or (which is not None and previous is not which):
+            return
+        self.previous = None
+        if swap is not None:
+            swap(self.served, None)
+        _, shard, replicator = previous
+        if replicator is not None:
+            await replicator.stop()
+        await shard.close()
+
     async def close(self) -> None:
+        await self._retire()
         if self.replicator is not None:
             await self.replicator.stop()
         if self.local is not None:
@@ -135,8 +153,8 @@ async def serve_shard(cfg: ServerConfig, device: Device) -> None:
         await running.set_serving(True)
         tasks.append(loop.create_task(replica.replicator.run()))
     if not cfg.shard.build and cfg.storage.alias_poll_s > 0:
-        def swap(shard):
-            running.servicer.shard = shard
+        def swap(shard, previous):
+            running.servicer.shard, running.servicer.previous = shard, previous
 
         tasks.append(loop.create_task(replica.follow_aliases(cfg.storage.alias_poll_s, swap)))
     desc = replica.local.desc
