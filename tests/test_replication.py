@@ -15,7 +15,7 @@ from server.rpc import shard_pb2_grpc as spb_grpc
 
 from conftest import ServiceProcess, ShardProcess, publish_build
 from harness.processes import free_port
-from nats_fixture import nats_server  # noqa: F401  (the module's JetStream server)
+from nats_fixture import nats_server, nats_server_factory  # noqa: F401  (real JetStream servers)
 
 TOKEN = "router-credential-for-tests-0123456789"
 APPLIED, ACCEPTED = pb.WriteResponse.APPLIED, pb.WriteResponse.ACCEPTED
@@ -34,16 +34,20 @@ def shard_proc(data, shard, replica, nats_url, *extra):
                         "--shard-token-file", str(data / "token"), *extra)
 
 
+def router_proc(data, nats_url, embedder_dir, shards):
+    return ServiceProcess(
+        ["router", "--collection", "rc", "--port", "0", "--device", "cpu", "--log-level", "WARNING",
+         "--nats", nats_url, "--shard-token-file", str(data / "token"),
+         "--embedder", str(embedder_dir), "--embedder-name", "tiny-test-embedder",
+         *[x for reps in shards for x in ("--replicas", ",".join(p.address for p in reps))]],
+        "router")
+
+
 @pytest.fixture(scope="module")
 def cluster(repl_build, nats_server, tiny_embedder_dir):  # noqa: F811
     data, _ = repl_build
     shards = [[shard_proc(data, s, r, nats_server.url) for r in range(2)] for s in range(2)]
-    router = ServiceProcess(
-        ["router", "--collection", "rc", "--port", "0", "--device", "cpu", "--log-level", "WARNING",
-         "--nats", nats_server.url, "--shard-token-file", str(data / "token"),
-         "--embedder", str(tiny_embedder_dir), "--embedder-name", "tiny-test-embedder",
-         *[x for reps in shards for x in ("--replicas", ",".join(p.address for p in reps))]],
-        "router")
+    router = router_proc(data, nats_server.url, tiny_embedder_dir, shards)
     ch = grpc.insecure_channel(router.address)
     yield {"data": data, "shards": shards, "router": router, "stub": pb_grpc.SearchServiceStub(ch),
            "admin": pb_grpc.AdminServiceStub(ch), "nats": nats_server}
@@ -234,3 +238,40 @@ def test_a_shard_server_will_not_open_its_port_beyond_loopback_without_credentia
                           "--device", "cpu", "--replica-id", "open-door"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--shard-token-file" in out.stderr and "mutual TLS" in out.stderr
+
+
+def test_a_write_log_that_lost_its_entries_takes_no_writes(repl_build, nats_server_factory,  # noqa: F811
+                                                          tiny_embedder_dir):
+    """Regression (outside QA): after the NATS store was wiped, a restarted router recreated the
+    stream at sequence 1 and acknowledged writes that no replica would ever apply (each had
+    applied further than that already), and reads carrying their sequence answered OK without
+    them. A log that ends before a replica's applied position now refuses writes, saying why;
+    reads of what the replicas hold still answer."""
+    import shutil
+
+    data, _ = repl_build
+    nats = nats_server_factory()
+    shards = [[shard_proc(data, s, "wiped", nats.url)] for s in range(2)]
+    router = router_proc(data, nats.url, tiny_embedder_dir, shards)
+    try:
+        with grpc.insecure_channel(router.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            acks = [write(stub, f"wipe-{i}", 1, f"zyxwiped{i} before the wipe") for i in range(4)]
+            assert lexical(stub, "zyxwiped3", min_seq=max(a.sequence for a in acks)) == ["wipe-3"]
+        router.stop()
+        nats.stop()
+        shutil.rmtree(nats.store_dir)
+        nats.start()
+        router = router_proc(data, nats.url, tiny_embedder_dir, shards)  # recreates the stream
+        with grpc.insecure_channel(router.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                write(stub, "after-wipe", 1, "zyxafterwipe never acknowledged")
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "lost entries" in err.value.details()
+            assert lexical(stub, "zyxwiped1") == ["wipe-1"]  # what the replicas hold is served
+    finally:
+        router.stop()
+        for reps in shards:
+            for p in reps:
+                p.stop()

@@ -39,6 +39,11 @@ class WriteLog(Protocol):
 
     async def append(self, collection: str, shard: int, write: ShardWrite, msg_id: str) -> int: ...
 
+    async def check_against_replicas(self, applied: dict[int, int]) -> Optional[str]:
+        """Refuse appends while the log ends before a position a replica has applied (shard ->
+        highest applied sequence); returns why, or None."""
+        ...
+
 
 def message_id(collection: str, w: ShardWrite) -> str:
     """Deterministic per write, so a retried publish of the same write is dropped by the log."""

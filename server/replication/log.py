@@ -32,7 +32,7 @@ from server.config import ReplicationConfig
 from server.core import metrics
 from server.core.collection import shard_dir_name
 from server.core.types import ShardWrite
-from server.errors import SearchError
+from server.errors import FailedPrecondition, SearchError
 from server.replication.jetstream import JetStreamWriteLog, ShardLogReader, WriteLogError
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,29 @@ class ReplicatedWriteLog:
     def __init__(self, js: JetStreamWriteLog, config: ReplicationConfig):
         self.js = js
         self.config = config
+        self.broken: Optional[str] = None  # why appends are refused (check_against_replicas)
+
+    async def check_against_replicas(self, applied: dict[int, int]) -> Optional[str]:
+        """The log can never end before a position a replica has applied: if it does, the stream
+        lost its entries (NATS storage wiped, or another cluster), a new append would get a
+        sequence that replicas already count as applied (read-your-writes would pass without
+        the write, and no replica would ever apply it), so appends are refused until the stream
+        ends at or after every replica again. `applied`: shard -> highest applied sequence among
+        its replicas (read before this call: the log only grows meanwhile)."""
+        problem = None
+        for shard, seq in sorted(applied.items()):
+            if seq > 0:
+                last = await self.js.last_sequence(shard)
+                if last < seq:
+                    problem = (f"the write log of shard {shard} ends at sequence {last} but a "
+                               f"replica has applied up to {seq}: the stream lost entries (NATS "
+                               "storage wiped or replaced?); writes are refused until it is "
+                               "restored or the replicas are rebuilt from a snapshot")
+                    break
+        if problem != self.broken:
+            (log.error if problem else log.warning)("write log: %s", problem or "consistent again")
+        self.broken = problem
+        return problem
 
     @classmethod
     async def connect(cls, config: ReplicationConfig, collection: str) -> "ReplicatedWriteLog":
@@ -82,6 +105,8 @@ class ReplicatedWriteLog:
     async def append(self, collection: str, shard: int, write: ShardWrite, msg_id: str) -> int:
         from server.transport.codec import shard_write_to_pb
 
+        if self.broken:
+            raise FailedPrecondition(self.broken)
         payload = shard_write_to_pb(write, collection, write.model_id).SerializeToString()
         result = await self.js.publish(shard, payload, msg_id, self.config.publish_timeout_s)
         return result.seq

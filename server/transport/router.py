@@ -6,7 +6,9 @@ ShardInfo. At start it serves the build most replicas serve (the newest on a tie
 another build are out of rotation - but not one that flipped to a new build and still answers for
 the router's (its ShardInfo `also_serves` it for a grace period). `follow_builds` re-reads every replica's ShardInfo and moves
 the router to a published build once every replica of every shard serves it, and puts replicas
-that came back to the router's build into rotation again.
+that came back to the router's build into rotation again. Both also check that the write log
+ends at or after every replica's applied position (`check_write_log`): a stream that lost its
+entries takes no writes.
 """
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ async def connect_router(core: SearchCore, collection: str, shard_replicas: Sequ
         raise FailedPrecondition(f"build {desc.build_id} has {desc.shards} shards; the topology "
                                  f"lists {len(sets)}")
     _adopt(sets, infos, desc)
+    await check_write_log(core, infos)  # before the first write is taken
     loaded = LoadedCollection(desc, sets, direct_writes=False)
     core.attach(loaded)
     return loaded
@@ -94,11 +97,24 @@ def _adopt(sets: Sequence[ReplicaSet], infos: list[list], desc: ReleaseDescripto
             if info is not None:
                 # a replica that flipped to a new build still answers for the one before it for a
                 # while (`also_serves`): it stays in rotation until the router follows
-                serves = desc.build_id in (info.build_id, *info.also_serves)
-                rs.mark_build(i, desc.build_id if serves else info.build_id)
-                if not serves:
+                rs.mark_build(i, info.build_id, info.also_serves)
+                if desc.build_id not in (info.build_id, *info.also_serves):
                     log.warning("shard %d replica %s serves build %s, not %s: out of rotation",
                                 rs.shard_no, info.address, info.build_id, desc.build_id)
+
+
+async def check_write_log(core: SearchCore, infos: list[list]) -> None:
+    """Refuse appends while the write log ends before what some replica has applied (the stream
+    was wiped and recreated): see ReplicatedWriteLog.check_against_replicas."""
+    write_log = core.writes.log
+    if write_log is None:
+        return
+    applied = {n: max((i.applied_seq for i in shard if i is not None), default=0)
+               for n, shard in enumerate(infos)}
+    try:
+        await write_log.check_against_replicas(applied)
+    except SearchError as exc:  # the log does not answer now: appends fail on their own
+        log.warning("cannot compare the write log with the replicas: %s", exc)
 
 
 async def follow_builds(core: SearchCore, collection: str, interval: float = 2.0,
@@ -111,6 +127,7 @@ async def follow_builds(core: SearchCore, collection: str, interval: float = 2.0
             current = core.registry.get(collection)
             sets = current.shards
             infos = await _read_infos(sets, timeout, wait=False)
+            await check_write_log(core, infos)
             builds = {i.build_id for shard in infos for i in shard if i is not None}
             complete = all(all(i is not None for i in shard) for shard in infos)
             if complete and len(builds) == 1 and builds != {current.desc.build_id}:
