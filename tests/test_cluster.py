@@ -366,7 +366,7 @@ def test_a_replica_on_another_build_is_routed_around_and_the_router_follows_a_fi
         r2.stop()
 
 
-def test_replicas_that_all_flipped_keep_answering_the_router_until_it_follows(
+def test_replicas_that_all_flipped_keep_answering_the_router_until_it_follows_and_roll_back_at_once(
         tmp_path, tiny_embedder, cranfield_docs):
     """Regression (outside QA): once every replica had followed a publish and the router had not
     yet, no replica answered the router's build: 230 of 730 searches failed over 2.5-6 s. A
@@ -401,6 +401,18 @@ def test_replicas_that_all_flipped_keep_answering_the_router_until_it_follows(
                                                 top_k=3, mode=(pb.HYBRID, pb.LEXICAL, pb.DENSE)[i % 3]),
                                timeout=10)
             assert resp.build_id == b1.build_id and resp.hits and not resp.partial
+        # a quick rollback reuses the build still open (it held its state's lock: opening it
+        # again failed with "in use by pid <own pid>" until the grace period ended)
+        store.publish("rf", b1.build_id)
+        deadline = time.monotonic() + 20
+        while not all(i.ShardInfo(spb.ShardInfoRequest(), timeout=10).build_id == b1.build_id
+                      for i in infos):
+            assert time.monotonic() < deadline, "the replicas did not roll back"
+            time.sleep(0.1)
+        assert all(list(i.ShardInfo(spb.ShardInfoRequest(), timeout=10).also_serves) == [b2.build_id]
+                   for i in infos)
+        assert stub.Search(pb.SearchRequest(collection="rf", text="flow", top_k=3),
+                           timeout=10).build_id == b1.build_id
     finally:
         router.stop()
         for r in replicas:

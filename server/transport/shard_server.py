@@ -90,17 +90,25 @@ class ShardReplica:
                 live = self.store.live_build(self.collection)
                 if live == self.local.desc.build_id:
                     continue
-                new = await loop.run_in_executor(None, self._open, live)
-                replicator = None
-                if self.js is not None:
-                    replicator = self._replicator(new)
-                    await replicator.catch_up()
-                await self._retire(None, swap)  # a flip within the grace period: the one before goes now
+                back = self.previous
+                if back is not None and back[1].desc.build_id == live:
+                    # a quick rollback: the previous build is still open (it holds its state's
+                    # lock, so it cannot be opened twice) and its log consumer still applies
+                    self.previous = None
+                    _, new, replicator = back
+                    started = True
+                else:
+                    new = await loop.run_in_executor(None, self._open, live)
+                    replicator, started = None, False
+                    if self.js is not None:
+                        replicator = self._replicator(new)
+                        await replicator.catch_up()
+                    await self._retire(None, swap)  # a flip within the grace period: the one before goes now
                 old = self.previous = (self.served, self.local, self.replicator)
                 self.local, self.replicator = new, replicator
                 self.served = FaultyShard(new, self.faults) if self.faults.active else new
                 swap(self.served, old[0])
-                if replicator is not None:
+                if replicator is not None and not started:
                     loop.create_task(replicator.run())
                 log.info("shard %d of %s now serves build %s (was %s; it answers requests that "
                          "name it for %gs)", self.shard_no, self.collection, live,
