@@ -43,7 +43,12 @@ def clustered(n: int, d: int, seed: int = 0) -> np.ndarray:
     return x
 
 
-def timed(fn, repeats=3) -> float:
+REPEATS = 3                  # --repeats: timed runs per figure (after one warm-up)
+BATCHES = (1, 16, 128, 1024)  # --batches: query batch sizes timed per index
+
+
+def timed(fn, repeats=None) -> float:
+    repeats = repeats or REPEATS
     fn()
     t0 = time.perf_counter()
     for _ in range(repeats):
@@ -103,13 +108,13 @@ def faiss_paths(x: np.ndarray, q: np.ndarray, k: int = 10) -> list[dict]:
         for name, idx in (("cpu", DenseIndex(cpu.cpu_index, cpu.row_ids, "ip", knobs)), ("gpu", gpu)):
             _, ids = idx.search(q, k)
             row[f"{name}_recall"] = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ids, gt)]))
-            for b in (1, 16, 128, 1024):
+            for b in BATCHES:
                 batch = q[:b]
                 row[f"{name}_qps_b{b}"] = b / timed(lambda: idx.search(batch, k))
         rows.append(row)
         print(f"  {factory:14} {where:18} recall cpu {row['cpu_recall']:.3f} gpu {row['gpu_recall']:.3f}  "
               + "  ".join(f"b{b}: cpu {row[f'cpu_qps_b{b}']:,.0f} gpu {row[f'gpu_qps_b{b}']:,.0f}"
-                          for b in (1, 16, 128, 1024)), flush=True)
+                          for b in BATCHES), flush=True)
     return rows
 
 
@@ -194,8 +199,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default="faiss,engine,models")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="no GPU: run every section on the CPU anyway (checks the script itself)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per figure")
+    ap.add_argument("--batches", default="1,16,128,1024",
+                    help="query batch sizes timed per index (comma list, each <= 1024)")
     args = ap.parse_args(argv)
-    global DEVICE
+    global DEVICE, REPEATS, BATCHES
+    REPEATS = args.repeats
+    BATCHES = tuple(int(b) for b in args.batches.split(","))
     report = {"environment": environment()}
     print("environment:", json.dumps(report["environment"]), flush=True)
     if not report["environment"]["faiss_gpus"] and not report["environment"].get("torch_cuda"):
