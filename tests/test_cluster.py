@@ -387,15 +387,20 @@ def test_replicas_that_all_flipped_keep_answering_the_router_until_it_follows_an
         stub = stub_for(router.address)
         assert stub.Search(pb.SearchRequest(collection="rf", text="flow", top_k=3),
                            timeout=10).build_id == b1.build_id
-        store.publish("rf", b2.build_id)
         infos = [spb_grpc.ShardServiceStub(grpc.insecure_channel(r.address)) for r in replicas]
-        deadline = time.monotonic() + 60
-        while not all(i.ShardInfo(spb.ShardInfoRequest(), timeout=10).build_id == b2.build_id
-                      for i in infos):
-            assert time.monotonic() < deadline, "the replicas did not follow the publish"
-            time.sleep(0.1)
-        assert all(list(i.ShardInfo(spb.ShardInfoRequest(), timeout=10).also_serves) == [b1.build_id]
-                   for i in infos)
+
+        def flip(to, before, within_s):
+            """Publish `to`; wait until every replica serves it and still answers for `before`."""
+            store.publish("rf", to)
+            deadline = time.monotonic() + within_s
+            while not all(i.ShardInfo(spb.ShardInfoRequest(), timeout=10).build_id == to
+                          for i in infos):
+                assert time.monotonic() < deadline, f"the replicas did not follow {to}"
+                time.sleep(0.1)
+            assert all(list(i.ShardInfo(spb.ShardInfoRequest(), timeout=10).also_serves) == [before]
+                       for i in infos)
+
+        flip(b2.build_id, b1.build_id, 60)
         for i in range(60):  # every replica has flipped; the router is still on B1
             resp = stub.Search(pb.SearchRequest(collection="rf", text=QUERIES[i % len(QUERIES)],
                                                 top_k=3, mode=(pb.HYBRID, pb.LEXICAL, pb.DENSE)[i % 3]),
@@ -403,14 +408,7 @@ def test_replicas_that_all_flipped_keep_answering_the_router_until_it_follows_an
             assert resp.build_id == b1.build_id and resp.hits and not resp.partial
         # a quick rollback reuses the build still open (it held its state's lock: opening it
         # again failed with "in use by pid <own pid>" until the grace period ended)
-        store.publish("rf", b1.build_id)
-        deadline = time.monotonic() + 20
-        while not all(i.ShardInfo(spb.ShardInfoRequest(), timeout=10).build_id == b1.build_id
-                      for i in infos):
-            assert time.monotonic() < deadline, "the replicas did not roll back"
-            time.sleep(0.1)
-        assert all(list(i.ShardInfo(spb.ShardInfoRequest(), timeout=10).also_serves) == [b2.build_id]
-                   for i in infos)
+        flip(b1.build_id, b2.build_id, 20)
         assert stub.Search(pb.SearchRequest(collection="rf", text="flow", top_k=3),
                            timeout=10).build_id == b1.build_id
     finally:
