@@ -4,6 +4,7 @@ through one front end is seen through all of them (one engine owns the index).""
 import re
 import signal
 import subprocess
+import time
 import urllib.request
 
 import grpc
@@ -74,6 +75,65 @@ def test_a_write_through_one_front_end_is_seen_through_all(workers):
         assert [h.doc_id for h in hits] == ["w-1"]
     for ch in channels:
         ch.close()
+
+
+def front_ends(engine_pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(engine_pid)], capture_output=True, text=True).stdout.split()
+
+
+def test_a_front_end_that_dies_is_started_again(workers):
+    """Regression (outside QA): a front end killed or crashed was never noticed: the engine ran
+    on with fewer (a zombie left), or with none and the port closed."""
+    proc, port, _ = workers
+    before = front_ends(proc.pid)
+    assert len(before) == 2
+    subprocess.run(["kill", "-9", before[0]], check=True)
+    deadline = time.monotonic() + 60
+    while True:
+        now = front_ends(proc.pid)
+        if len(now) == 2 and before[0] not in now:
+            break
+        assert time.monotonic() < deadline, f"no new front end: {now}"
+        time.sleep(0.2)
+    stub = pb_grpc.SearchServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    deadline = time.monotonic() + 60
+    while True:  # the new front end answers once it has loaded its models
+        try:
+            resp = stub.Search(pb.SearchRequest(collection="cran", text="boundary layer", top_k=3),
+                               timeout=10)
+            assert resp.hits
+            break
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+
+
+def test_a_killed_engine_stops_every_front_end_and_no_search_hangs(small_collection,
+                                                                  tiny_embedder_dir):
+    """Regression (outside QA): after a kill -9 of the engine the front ends kept their port and
+    reported SERVING, every search waited out its deadline, writes failed INTERNAL, and a
+    restarted server shared its port with them. Now a front end that loses its engine fails
+    what waits UNAVAILABLE and exits."""
+    data, _ = small_collection
+    port = free_port()
+    server = ServiceProcess(
+        ["serve", "--data-dir", str(data), "--port", str(port), "--workers", "2", "--device", "cpu",
+         "--embedder", str(tiny_embedder_dir), "--embedder-name", "tiny-test-embedder",
+         "--log-level", "WARNING", "--state-dir", str(data / ".state-workers-kill")],
+        "serve --workers 2")
+    children = front_ends(server.pid)
+    assert len(children) == 2
+    stub = pb_grpc.SearchServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    assert stub.Search(pb.SearchRequest(collection="cran", text="shock wave", top_k=3), timeout=30).hits
+    server.kill()
+    for _ in range(3):  # UNAVAILABLE (a client retries elsewhere), never a deadline waited out
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Search(pb.SearchRequest(collection="cran", text="shock wave", top_k=3), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+    deadline = time.monotonic() + 30
+    while any(subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0
+              for pid in children):
+        assert time.monotonic() < deadline, "front ends outlived their engine"
+        time.sleep(0.2)
 
 
 def test_sigterm_stops_the_engine_and_every_front_end(workers):

@@ -143,9 +143,11 @@ class EngineServer:
 class EngineClient:
     """One front end's connection to the engine: requests matched to answers by id."""
 
-    def __init__(self, path: str, on_push=None):
+    def __init__(self, path: str, on_push=None, on_lost=None):
         self.path = path
         self.on_push = on_push
+        self.on_lost = on_lost  # called once when the engine goes away (the front end stops)
+        self.lost: Optional[str] = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader_task: Optional[asyncio.Task] = None
@@ -176,22 +178,41 @@ class EngineClient:
                 fut = self._waiting.pop(req_id, None)
                 if fut is not None and not fut.done():
                     (fut.set_result if ok else fut.set_exception)(result)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            err = Unavailable("the engine process went away")
-            for fut in self._waiting.values():
-                if not fut.done():
-                    fut.set_exception(err)
-            self._waiting.clear()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # EOF, a reset, a bad message: the link is gone either way
+            self._lose(f"the engine process went away ({type(exc).__name__})")
+
+    def _lose(self, why: str) -> None:
+        """Every waiting call fails UNAVAILABLE (a client retries elsewhere) and so does every
+        later one; `on_lost` runs once. Without this a call sent on a dead link waited out its
+        deadline, and the front end kept reporting SERVING."""
+        if self.lost is not None:
+            return
+        self.lost = why
+        log.error("%s: failing %d waiting calls", why, len(self._waiting))
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(Unavailable(why))
+        self._waiting.clear()
+        if self.on_lost is not None:
+            self.on_lost(why)
 
     async def call(self, op: str, *args, timeout: Optional[float] = None):
         if self._writer is None:
             raise Unavailable("not connected to the engine")
+        if self.lost is not None:
+            raise Unavailable(self.lost)
         req_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._waiting[req_id] = fut
-        async with self._lock:
-            await _send(self._writer, (req_id, op, args))
         try:
+            async with self._lock:
+                try:
+                    await _send(self._writer, (req_id, op, args))
+                except (RuntimeError, OSError) as exc:  # "transport closed", a broken pipe
+                    self._lose(f"the engine process went away ({exc})")
+                    raise Unavailable(self.lost) from None
             return await (asyncio.wait_for(fut, timeout) if timeout is not None else fut)
         finally:
             self._waiting.pop(req_id, None)
@@ -255,6 +276,11 @@ class EngineShard:
         except SearchError as exc:
             exc.whole_call = True
             answers = [exc] * len(items)
+        except BaseException as exc:  # nothing may leave a caller's future unresolved
+            for _, fut in items:
+                if not fut.done():
+                    fut.set_exception(exc)
+            raise
         for (_, fut), a in zip(items, answers):
             if not fut.done():
                 fut.set_result(a)
@@ -308,17 +334,42 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
         note = app.start_metrics(cfg.listen.host, cfg.listen.metrics_port)
         argv = [a for a in sys.argv[1:] if a != "serve"]
         metrics = cfg.listen.metrics_port
-        children = [subprocess.Popen([sys.executable, "-m", "server.main", "frontend",
-                                      "--engine-socket", path, *_frontend_args(argv, port),
-                                      *(["--metrics-port", str(metrics + 1 + i)] if metrics else [])])
-                    for i in range(cfg.listen.workers)]
+
+        def spawn(i: int) -> subprocess.Popen:
+            return subprocess.Popen([sys.executable, "-m", "server.main", "frontend",
+                                     "--engine-socket", path, *_frontend_args(argv, port),
+                                     *(["--metrics-port", str(metrics + 1 + i)] if metrics else [])])
+
+        children = [spawn(i) for i in range(cfg.listen.workers)]
         stop = asyncio.Event()
+        failed: list[str] = []
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         tasks = [loop.create_task(c) for c in core.background()]
+
+        async def watch_frontends(ready: asyncio.Task) -> None:
+            """A front end that exits is reaped and started again once the server has served;
+            one that exits before the server ever served fails the start (the same cause would
+            repeat: a port taken, a bad flag) instead of leaving the engine waiting for it."""
+            while not stop.is_set():
+                await asyncio.sleep(0.5)
+                for i, c in enumerate(children):
+                    code = c.poll()
+                    if code is None or stop.is_set():
+                        continue
+                    if not ready.done() or ready.exception() is not None:
+                        failed.append(f"front end {i} (pid {c.pid}) exited with status {code} "
+                                      "before serving")
+                        stop.set()
+                        return
+                    log.error("front end %d (pid %d) exited with status %s: starting it again",
+                              i, c.pid, code)
+                    children[i] = spawn(i)
+
         try:
             waiter = loop.create_task(engine.wait_ready(600))
+            tasks.append(loop.create_task(watch_frontends(waiter)))
             done, _ = await asyncio.wait({waiter, loop.create_task(stop.wait())},
                                          return_when=asyncio.FIRST_COMPLETED)
             if waiter in done and waiter.exception() is None:
@@ -338,6 +389,8 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
                 t.cancel()
             await engine.close()
             await core.close()
+        if failed:
+            raise SystemExit(f"search-server: error: {failed[0]}")
 
     try:
         app.run(main(), cfg.listen.event_loop)
@@ -374,8 +427,15 @@ def run_frontend(cfg: ServerConfig, device, engine_socket: str) -> None:
     core = SearchCore(cfg, embedder, reranker, device)
     tls = app.TLSConfig.from_config(cfg.listen)
 
+    def engine_lost(why: str) -> None:
+        # nothing here can answer a search without the engine: stop (SIGTERM drains what is
+        # left) so the port, the health check and the metrics port are free for a restart
+        log.error("front end %d stops: %s", os.getpid(), why)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     async def setup():
-        client = EngineClient(engine_socket, on_push=lambda msg: _attach(core, client, msg[1]))
+        client = EngineClient(engine_socket, on_push=lambda msg: _attach(core, client, msg[1]),
+                              on_lost=engine_lost)
         await client.connect()
         core.engine = client
         for desc_json in await client.call("collections"):
@@ -392,5 +452,7 @@ def run_frontend(cfg: ServerConfig, device, engine_socket: str) -> None:
                                 grace=cfg.listen.shutdown_grace_s, reuse_port=True,
                                 background=(announce_ready(),))
         await core.engine.close()
+        if core.engine.lost:
+            raise SystemExit(3)  # the engine went away: not a clean stop
 
     app.run(main(), cfg.listen.event_loop)
