@@ -100,3 +100,15 @@ def test_token_counting_and_encoding_can_run_concurrently(tiny_embedder):
     for t in threads:
         t.join(120)
     assert errors == []
+
+
+def test_inputs_longer_than_the_models_positions_are_truncated_to_them(tiny_reranker_dir):
+    """Regression (outside QA): the cross-encoder read up to 512 tokens whatever its model
+    accepts; a reranked query + passage over the tiny reranker's 256 positions failed inside the
+    forward pass ("size of tensor a (266) must match ... (256)") and the request got INTERNAL."""
+    ce = CrossEncoder(tiny_reranker_dir, Device("cpu"))
+    assert ce.max_length == 256  # its config's max_position_embeddings, below the default 512
+    long_pair = ("boundary layer " * 150, "the flow over the plate " * 150)
+    scores = ce.score([long_pair, ("short query", "short passage")])
+    assert scores.shape == (2,) and np.isfinite(scores).all()
+    assert CrossEncoder(tiny_reranker_dir, Device("cpu"), max_length=64).max_length == 64

