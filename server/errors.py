@@ -48,3 +48,8 @@ class IndexCorruptError(SearchError):
 
 class CorpusVersionMismatch(SearchError):
     """Dense and lexical candidates came from different corpus versions (never fused)."""
+
+
+class Internal(SearchError):
+    """An unexpected failure of one query of a batch (a bug, a model that failed): that query
+    answers INTERNAL in its slot, logged with its traceback, and the others still answer."""

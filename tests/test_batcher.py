@@ -125,6 +125,29 @@ def test_model_errors_fail_the_batch_not_the_batcher():
     run(main())
 
 
+def test_an_input_the_model_fails_on_fails_alone_not_the_requests_batched_with_it():
+    """Regression (outside QA): one bad input (a pair too long for the model) failed every
+    request in its device batch, other callers' included. A failed batch now runs again one item
+    at a time; only what fails alone fails."""
+    calls = []
+
+    def model(items):
+        calls.append(list(items))
+        if "bad" in items:
+            raise ValueError("input too long for the model")
+        return [x.upper() for x in items]
+
+    async def main():
+        b = MicroBatcher("t", model, max_batch=8, max_tokens=1000, max_wait_ms=50)
+        out = await asyncio.gather(*(b.submit(x) for x in ("a", "bad", "c")), return_exceptions=True)
+        await b.close()
+        return out
+
+    a, bad, c = run(main())
+    assert (a, c) == ("A", "C") and isinstance(bad, ValueError)
+    assert calls[0] == ["a", "bad", "c"] and calls[1:] == [["a"], ["bad"], ["c"]]
+
+
 def test_queries_go_before_queued_ingest_and_batches_never_mix_classes():
     dev = Device()
 

@@ -211,3 +211,23 @@ def test_feedback_and_fusion_options_out_of_range_are_refused(stub, field, value
     with pytest.raises(grpc.RpcError) as err:
         search(stub, text="shock wave", mode=pb.HYBRID, **{field: value})
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+
+
+def test_a_query_that_fails_unexpectedly_fails_alone_in_its_batch(hybrid_server, stub):
+    """Regression (outside QA): one query whose reranking failed inside the model (a pair longer
+    than its positions) made the whole SearchBatch INTERNAL and lost the other answers. The
+    failure is re-created here by raising the reranker's input limit past its 256 positions."""
+    _, reranker = hybrid_server
+    limit, reranker.max_length = reranker.max_length, 512
+    try:
+        short = [pb.SearchRequest(collection="h", text=t, top_k=5, rerank_depth=5)
+                 for t in ("shock wave", "heat transfer", "jet noise")]
+        long = pb.SearchRequest(collection="h", text="wing flutter " * 200, top_k=5, rerank_depth=5)
+        out = stub.SearchBatch(pb.SearchBatchRequest(queries=[short[0], long, *short[1:]]),
+                               timeout=60).results
+        assert [r.code for r in out] == [0, grpc.StatusCode.INTERNAL.value[0], 0, 0]
+        assert "internal error in finish" in out[1].message
+        assert all(r.response.hits for i, r in enumerate(out) if i != 1)
+    finally:
+        reranker.max_length = limit
+    assert stub.SearchBatch(pb.SearchBatchRequest(queries=[long]), timeout=60).results[0].code == 0

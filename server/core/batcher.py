@@ -7,7 +7,9 @@ batch (`max_background_batch`). A batch closes when it holds `max_batch` items, 
 would push it past `max_tokens`, or `max_wait_ms` after its first item arrived, whichever comes
 first. While a batch runs on the device the next one fills, so under load batches grow with no
 extra wait. Items whose caller has gone (cancelled, or past its deadline) are dropped before the
-device call and counted. One worker thread owns the device: batches run one at a time.
+device call and counted. One worker thread owns the device: batches run one at a time. A batch the
+model fails is run again one item at a time, so only the items that fail alone fail (a bad input
+never fails the requests batched with it).
 
 The handle is the whole interface: `await batcher.submit(item, cost, deadline, background)`.
 """
@@ -35,6 +37,11 @@ class _Pending:
     future: asyncio.Future
     enqueued: float
     background: bool = False
+
+
+@dataclass
+class _Failed:
+    error: Exception
 
 
 class MicroBatcher(Generic[T, R]):
@@ -161,18 +168,38 @@ class MicroBatcher(Generic[T, R]):
             metrics.labelled(metrics.BATCH_SIZE, self.name).observe(len(batch))
             self.batches += 1
             try:
-                results = await loop.run_in_executor(self._device, self.fn, [p.item for p in batch])
-                if len(results) != len(batch):
-                    raise RuntimeError(f"{self.name}: model returned {len(results)} results "
-                                       f"for {len(batch)} inputs")
-            except Exception as exc:  # the whole batch fails with the model's error
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-                continue
+                results = await loop.run_in_executor(self._device, self._call, batch)
+            except Exception as exc:
+                if len(batch) == 1:
+                    if not batch[0].future.done():
+                        batch[0].future.set_exception(exc)
+                    continue
+                # one bad input must not fail the requests batched with it (other callers'):
+                # each item runs alone, and only the ones that fail alone fail
+                results = await loop.run_in_executor(self._device, self._each_alone, batch)
             for p, r in zip(batch, results):
-                if not p.future.done():
+                if p.future.done():
+                    continue
+                if isinstance(r, _Failed):
+                    p.future.set_exception(r.error)
+                else:
                     p.future.set_result(r)
+
+    def _call(self, batch: list[_Pending]) -> Sequence:
+        results = self.fn([p.item for p in batch])
+        if len(results) != len(batch):
+            raise RuntimeError(f"{self.name}: model returned {len(results)} results "
+                               f"for {len(batch)} inputs")
+        return results
+
+    def _each_alone(self, batch: list[_Pending]) -> list:
+        out = []
+        for p in batch:
+            try:
+                out.append(self._call([p])[0])
+            except Exception as exc:
+                out.append(_Failed(exc))
+        return out
 
     async def close(self) -> None:
         """Stop accepting, let queued work finish, then stop the worker."""

@@ -36,7 +36,7 @@ from server.core.types import (Candidate, FetchRequest, RankedHit, SearchQuery, 
                                ShardQuery, ShardResult, TraceEntry)
 from server.core.validation import unit_vectors, validate_query
 from server.errors import (CorpusVersionMismatch, DeadlineExceeded, FailedPrecondition,
-                           InvalidArgument, SearchError, Unavailable)
+                           Internal, InvalidArgument, SearchError, Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,8 @@ class QueryPipeline:
             st.vector = await self.encoders.embed(st.q.text, st.coll.desc, deadline, st.notes)
         except SearchError as exc:
             st.error = exc
+        except Exception as exc:  # this query fails alone; the batch's others answer
+            st.error = self._internal(st, "embed", exc)
 
     def _window(self, q: SearchQuery) -> int:
         """The hits assembly and rerank read: shards ship text for these, the rest as ids."""
@@ -524,6 +526,13 @@ class QueryPipeline:
             st.result = await self._finish_one(st, tenant, acl_scopes, deadline)
         except SearchError as exc:
             st.error = exc
+        except Exception as exc:  # this query fails alone; the batch's others answer
+            st.error = self._internal(st, "finish", exc)
+
+    @staticmethod
+    def _internal(st: _Query, stage: str, exc: Exception) -> Internal:
+        log.error("query on %s failed in %s", st.q.collection, stage, exc_info=exc)
+        return Internal(f"internal error in {stage}: {type(exc).__name__}: {exc}")
 
     async def _finish_one(self, st: _Query, tenant: str, acl_scopes: tuple,
                           deadline: Optional[float]) -> SearchResult:

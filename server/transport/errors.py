@@ -28,6 +28,7 @@ STATUS = (  # most specific first
     (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.IndexCorruptError, grpc.StatusCode.DATA_LOSS),
     (errors.CorpusVersionMismatch, grpc.StatusCode.ABORTED),
+    (errors.Internal, grpc.StatusCode.INTERNAL),
 )
 
 
