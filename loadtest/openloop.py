@@ -16,7 +16,7 @@ hundred requests per second on schedule. The summary says whether it did: the ac
 against the target, and the send lag (actual minus scheduled send time), p99 and max.
 
 Exit status: 0; 2 bad arguments, or the server cannot be reached; 3 the p99 latency is over
---p99-budget-ms; 4 the share of failed requests is over --max-error-rate.
+--p99-budget-ms; 4 more than --max-error-rate (default 0.01) of the requests failed.
 
     python loadtest/openloop.py --address 127.0.0.1:50051 --rate 50 --duration 20 \\
         --mode hybrid --p99-budget-ms 200 --json out.json
@@ -94,8 +94,10 @@ def add_load_args(p, warmup: float = 0.0) -> None:
     p.add_argument("--p99-budget-ms", type=float, default=None,
                    help="exit with status 3 when the p99 latency (from scheduled send time) is "
                         "over this many ms")
-    p.add_argument("--max-error-rate", type=float, default=None,
-                   help="exit with status 4 when more than this share of requests failed")
+    p.add_argument("--max-error-rate", type=float, default=0.01,
+                   help="exit with status 4 when more than this share of requests failed "
+                        "(default 0.01; 1 accepts any: a run whose requests fail is not within "
+                        "any latency budget)")
     p.add_argument("--json", type=Path, default=None, help="write the summary here as JSON")
 
 

@@ -21,7 +21,7 @@ How it is loaded
   seconds of load at the same rate precede the measured part (default 2; 0 to see them).
 
 Exit status: that of the load: 0; 2 bad arguments or the service unreachable; 3 p99 over
---p99-budget-ms; 4 too many failed requests (--max-error-rate); 5 Locust did not exit in time and
+--p99-budget-ms; 4 over 1% of requests failed (--max-error-rate); 5 Locust did not exit in time and
 was killed (Locust: 1 when requests failed); 1 the service did not start. Ctrl-C or SIGTERM stop
 everything this started.
 

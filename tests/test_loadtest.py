@@ -105,6 +105,22 @@ def test_open_loop_fails_impossible_budget(demo, tmp_path):
     assert "--p99-budget-ms" in helptext and "status 3" in helptext
 
 
+def test_a_run_whose_requests_fail_is_not_within_budget(demo, tmp_path):
+    """Regression (outside QA): every request failed (UNAUTHENTICATED) and the run reported "p99
+    within the budget" and exited 0: failures are fast. More than 1% failed now fails the run
+    (exit 4) unless --max-error-rate allows it."""
+    _, _, address = demo
+    out = tmp_path / "summary.json"
+    args = ["--address", address, "--collection", "nosuch", "--rate", str(RATE), "--duration", "1",
+            "--warmup", "0", "--mode", "lexical", "--p99-budget-ms", "60000", "--json", str(out)]
+    proc = run(args)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    assert s["ok"] == 0 and set(s["errors"]) == {"NOT_FOUND"} and s["too_many_errors"]
+    assert "FAIL" in proc.stdout and "max-error-rate" in proc.stdout
+    assert run([*args, "--max-error-rate", "1"]).returncode == 0  # asked to accept failures
+
+
 def test_locust_run_exits_and_reports(demo, tmp_path):
     """Locust runs as a subprocess of the runner and its CSV is read back: no import of locust
     into the runner, no hang after the load."""
