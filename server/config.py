@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import typing
@@ -39,14 +40,15 @@ def opt(default: Any, help: str, **extra) -> Any:
 @dataclass
 class ListenConfig:
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
-    port: int = opt(50051, "gRPC port (0 = an ephemeral port, printed at start)")
-    metrics_port: Optional[int] = opt(None, "serve Prometheus metrics over HTTP on this port")
+    port: int = opt(50051, "gRPC port (0 = an ephemeral port, printed at start)", maximum=65535)
+    metrics_port: Optional[int] = opt(None, "serve Prometheus metrics over HTTP on this port",
+                                      maximum=65535)
     log_level: str = opt("INFO", "logging level")
     shutdown_grace_s: float = opt(5.0, "on SIGTERM: seconds in-flight calls get to finish (new calls "
                                        "and calls still running after it are answered UNAVAILABLE, "
                                        "which clients retry)")
     max_inflight: int = opt(256, "admission control: requests beyond this many in flight get "
-                                 "RESOURCE_EXHAUSTED at once")
+                                 "RESOURCE_EXHAUSTED at once", minimum=1)
     default_deadline_s: float = opt(30.0, "a search that brings no deadline gets this one (0 = "
                                           "none): a hung shard cannot hold it for ever")
     tls_cert: Optional[Path] = opt(None, "PEM certificate chain: serve TLS")
@@ -54,7 +56,8 @@ class ListenConfig:
     tls_client_ca: Optional[Path] = opt(None, "require client certificates signed by this CA "
                                               "(mutual TLS)")
     workers: int = opt(1, "gRPC front-end processes on the port (SO_REUSEPORT) feeding one engine "
-                          "process that owns the indexes (serve only; 1 = everything in one process)")
+                          "process that owns the indexes (serve only; 1 = everything in one process)",
+                          minimum=1)
     event_loop: str = opt("auto", "asyncio event loop: uvloop, asyncio, or auto (uvloop where it "
                                   "is installed)")
 
@@ -63,7 +66,7 @@ class ListenConfig:
 class DeviceConfig:
     device: str = opt("auto", "where indexes and models run: auto, cpu or cuda")
     faiss_threads: int = opt(1, "OpenMP threads per faiss call (requests already run in parallel; "
-                                "per-call OpenMP made a 20k Flat search 3.3x slower on 2 cores)")
+                                "per-call OpenMP made a 20k Flat search 3.3x slower on 2 cores)", minimum=1)
 
 
 @dataclass
@@ -80,10 +83,10 @@ class ModelConfig:
     rerank_cap: int = opt(200, "largest rerank_depth accepted")
     batch_max_size: Optional[int] = opt(None, "items per model call (default: 16 on CPU, where "
                                               "padding makes larger batches slower per item; 64 on "
-                                              "CUDA)")
+                                              "CUDA)", minimum=1)
     batch_max_wait_ms: float = opt(2.0, "a model batch closes this long after its first item")
-    embed_max_tokens: int = opt(16384, "tokens per embedding batch")
-    rerank_max_tokens: int = opt(32768, "tokens per reranking batch")
+    embed_max_tokens: int = opt(16384, "tokens per embedding batch", minimum=1)
+    rerank_max_tokens: int = opt(32768, "tokens per reranking batch", minimum=1)
     embedding_cache_size: int = opt(4096, "query embeddings kept (by model id and text)")
 
     def max_batch(self, cuda: bool) -> int:
@@ -92,8 +95,8 @@ class ModelConfig:
 
 @dataclass
 class PipelineConfig:
-    default_depth: int = opt(100, "candidates per retriever when a request names none")
-    default_rrf_k: int = opt(60, "reciprocal rank fusion constant when a request names none")
+    default_depth: int = opt(100, "candidates per retriever when a request names none", minimum=1)
+    default_rrf_k: int = opt(60, "reciprocal rank fusion constant when a request names none", minimum=1)
     dedupe: bool = opt(True, "drop passages whose text repeats one already in the context")
     batch_chunk: int = opt(128, "a batch of queries (SearchBatch) runs as concurrent chunks of "
                                 "this many, so assembling one chunk's answers overlaps the "
@@ -107,7 +110,7 @@ class PipelineConfig:
     dense_feedback_docs: int = opt(5, "hybrid queries: fused hits whose vectors move the query "
                                       "vector before a second dense search (0 = off; a request "
                                       "may set its own)")
-    dense_feedback_weight: float = opt(0.6, "weight of those hits' mean against the query vector")
+    dense_feedback_weight: float = opt(0.6, "weight of those hits' mean against the query vector", maximum=1)
     lexical_feedback_terms: int = opt(0, "lexical and hybrid queries: terms of the first feedback "
                                          "hits added to the BM25 query (RM3) before a second "
                                          "lexical search (0 = off: it did not win on both "
@@ -119,7 +122,7 @@ class PipelineConfig:
 @dataclass
 class EngineConfig:
     batching: bool = opt(True, "coalesce concurrent queries of one shard into one faiss call")
-    max_batch: int = opt(64, "queries per faiss call")
+    max_batch: int = opt(64, "queries per faiss call", minimum=1)
     dispatch_timeout_ms: float = opt(1.0, "a batch closes this long after its first query when "
                                           "the index is busy (an idle index searches at once)")
     dense_workers: int = opt(0, "faiss calls that may run at once per shard; 0 = one per core "
@@ -127,8 +130,8 @@ class EngineConfig:
                                 "the CPU; one for an index on a GPU")
     device_nice: int = opt(10, "niceness added to the threads that search a CPU index, so the "
                                "event loop every request passes through runs first when cores "
-                               "are short (0 = same priority as the rest)")
-    search_threads: int = opt(8, "threads for BM25, record reads and writes")
+                               "are short (0 = same priority as the rest)", minimum=-20, maximum=19)
+    search_threads: int = opt(8, "threads for BM25, record reads and writes", minimum=1)
     record_cache_rows: int = opt(50_000, "chunk records (text, ids, metadata) each shard keeps in "
                                          "memory for the hits it ships, least recently used out "
                                          "first; 0 = read every one from SQLite")
@@ -147,7 +150,7 @@ class StorageConfig:
     compact_interval_s: float = opt(0.0, "check every N seconds whether to compact (0 = only on "
                                          "request)")
     compact_min_tombstone_ratio: float = opt(0.2, "scheduled compaction runs when dead+orphan "
-                                                  "rows reach this share")
+                                                  "rows reach this share", maximum=1)
 
     def resolved_state_dir(self) -> Path:
         return Path(self.state_dir) if self.state_dir else Path(self.data_dir) / ".state"
@@ -172,10 +175,11 @@ class ShardConfig:
                                      "when it changes)")
     replica_id: Optional[str] = opt(None, "this replica's name (its durable log consumer); "
                                           "default: HOSTNAME-PORT")
-    inject_delay_prob: float = opt(0.0, "fault injection (tests only): delay this share of searches")
+    inject_delay_prob: float = opt(0.0, "fault injection (tests only): delay this share of searches",
+                                   maximum=1)
     inject_delay_ms: float = opt(0.0, "fault injection: the delay")
-    inject_fail_prob: float = opt(0.0, "fault injection: fail this share with UNAVAILABLE")
-    inject_hang_prob: float = opt(0.0, "fault injection: hang this share until the deadline")
+    inject_fail_prob: float = opt(0.0, "fault injection: fail this share with UNAVAILABLE", maximum=1)
+    inject_hang_prob: float = opt(0.0, "fault injection: hang this share until the deadline", maximum=1)
     inject_seed: Optional[int] = opt(None, "fault injection: random seed")
 
 
@@ -202,8 +206,8 @@ class RouterConfig:
 class ReplicationConfig:
     nats: list = opt([], "NATS server URLs of the JetStream write log (repeatable); none = the "
                          "embedded default, which needs no broker")
-    stream_replicas: int = opt(1, "JetStream replicas of the write log (3 in production)")
-    apply_batch: int = opt(256, "log entries a replica applies per group commit")
+    stream_replicas: int = opt(1, "JetStream replicas of the write log (3 in production)", minimum=1)
+    apply_batch: int = opt(256, "log entries a replica applies per group commit", minimum=1)
     publish_timeout_s: float = opt(5.0, "how long a write waits for the log to hold it")
     nats_creds: Optional[Path] = opt(None, "NATS user credentials file (.creds: JWT and nkey seed)")
     nats_token_file: Optional[Path] = opt(None, "file holding a NATS authorization token")
@@ -308,11 +312,35 @@ def _coerce(annotation, value, where: str):
             return Path(value)
         if base in (int, float, str):
             if isinstance(value, str) and value == "" and annotation is not str:
-                return None
+                if type(None) in typing.get_args(annotation):
+                    return None  # an optional field: empty = unset
+                raise ValueError("is empty (leave it out to use the default)")
+            if base is int:
+                if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                    raise ValueError(f"not a whole number: {value!r}")
+                return int(value)
+            if base is float:
+                if isinstance(value, bool):
+                    raise ValueError(f"not a number: {value!r}")
+                number = float(value)
+                if not math.isfinite(number):
+                    raise ValueError(f"not a finite number: {value!r}")
+                return number
             return base(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     return value
+
+
+def _check_range(f: dataclasses.Field, value, where: str) -> None:
+    """Numbers are >= 0 unless the field says otherwise (`minimum`, `maximum` metadata): a
+    negative limit or cache size started a server that answered nothing."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    low, high = f.metadata.get("minimum", 0), f.metadata.get("maximum")
+    if (low is not None and value < low) or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{where}: {value!r} is out of range (must be {span})")
 
 
 def _flag(section: str, f: dataclasses.Field, command: str = "") -> str:
@@ -374,7 +402,10 @@ def load_config(command: str, args: Optional[argparse.Namespace] = None,
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"configuration file {path}: {exc}") from None
         for sec, table in data.items():
-            if sec not in types or not isinstance(table, dict):
+            if not isinstance(table, dict):
+                raise ValueError(f"configuration file {path}: {sec!r} is outside any section: put "
+                                 "it under its [section] (see `search-server config --print`)")
+            if sec not in types:
                 raise ValueError(f"configuration file {path}: unknown section [{sec}]")
             known = {f.name for f in fields(types[sec])}
             for key, value in table.items():
@@ -394,5 +425,7 @@ def load_config(command: str, args: Optional[argparse.Namespace] = None,
                 values[(sec, name)] = (value, f"flag {_flag(sec, field_, command)}")
     for (sec, name), (value, where) in values.items():
         annotation = _field_types(types[sec])[name]
-        setattr(getattr(cfg, sec), name, _coerce(annotation, value, where))
+        value = _coerce(annotation, value, where)
+        _check_range(next(x for x in fields(types[sec]) if x.name == name), value, where)
+        setattr(getattr(cfg, sec), name, value)
     return cfg

@@ -38,7 +38,10 @@ def test_flags_beat_environment_which_beats_the_file_which_beats_defaults(tmp_pa
 
 @pytest.mark.parametrize("text,error", [('[engine]\nmax_batch = "many"\n', "max_batch"),
                                         ('[nosuch]\nx = 1\n', "unknown section"),
-                                        ('[engine]\nbatch_size = 3\n', "unknown key")])
+                                        ('[engine]\nbatch_size = 3\n', "unknown key"),
+                                        ('[listen]\nmax_inflight = 2.9\n', "not a whole number"),
+                                        ('[listen]\nport = true\n', "not a whole number"),
+                                        ('max_inflight = 3\n', "outside any section")])
 def test_a_bad_file_names_the_key(tmp_path, text, error):
     f = tmp_path / "bad.toml"
     f.write_text(text)
@@ -49,6 +52,30 @@ def test_a_bad_file_names_the_key(tmp_path, text, error):
 def test_a_bad_environment_value_names_the_variable():
     with pytest.raises(ValueError, match="SEARCH_MAX_BATCH"):
         parse("serve", [], {"SEARCH_MAX_BATCH": "lots"})
+
+
+@pytest.mark.parametrize("env,error", [
+    ({"SEARCH_MAX_INFLIGHT": ""}, "SEARCH_MAX_INFLIGHT: is empty"),
+    ({"SEARCH_PORT": ""}, "SEARCH_PORT: is empty"),
+    ({"SEARCH_MAX_INFLIGHT": "-1"}, "out of range \\(must be >= 1\\)"),
+    ({"SEARCH_RETRIEVAL_CACHE_SIZE": "-1"}, "out of range \\(must be >= 0\\)"),
+    ({"SEARCH_BATCH_CHUNK": "-3"}, "SEARCH_BATCH_CHUNK"),
+    ({"SEARCH_DENSE_FEEDBACK_WEIGHT": "nan"}, "not a finite number"),
+    ({"SEARCH_DENSE_FEEDBACK_WEIGHT": "7"}, "between 0 and 1"),
+    ({"SEARCH_DEVICE_NICE": "-30"}, "between -20 and 19")])
+def test_values_a_server_cannot_run_with_are_refused_at_start(env, error):
+    """Regression (outside QA): values were type-checked only. An empty SEARCH_MAX_INFLIGHT
+    became "unset" and every search failed INTERNAL; --max-inflight -1 started a server that
+    shed everything; a negative cache size failed every search; NaN turned feedback off."""
+    with pytest.raises(ValueError, match=error):
+        parse("serve", [], env)
+
+
+def test_optional_values_may_be_empty_and_bounded_values_at_their_bounds_pass():
+    cfg = parse("serve", ["--device-nice", "-20", "--retrieval-cache-size", "0"],
+                {"SEARCH_METRICS_PORT": "", "SEARCH_DENSE_FEEDBACK_WEIGHT": "1"})
+    assert cfg.listen.metrics_port is None and cfg.engine.device_nice == -20
+    assert cfg.pipeline.retrieval_cache_size == 0 and cfg.pipeline.dense_feedback_weight == 1.0
 
 
 def test_config_print_shows_the_effective_configuration_and_it_round_trips(tmp_path):
