@@ -230,3 +230,15 @@ def test_a_missing_data_directory_is_a_clear_error_naming_it(volumes, tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode != 0 and str(missing) in text, text
     assert "DATA_LOSS" not in text and "Traceback" not in text, text
+
+
+def test_serve_on_a_missing_data_directory_is_a_clear_error_and_creates_nothing(tmp_path):
+    """Regression (outside QA): `serve --data-dir /nonexistent` served no collection without a
+    word (and created the directory for its state)."""
+    missing = tmp_path / "no-such-data"
+    out = subprocess.run([sys.executable, "-m", "server.main", "serve", "--data-dir", str(missing),
+                          "--port", "0", "--device", "cpu", "--embedder", "none"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and f"data directory {missing} does not exist" in text, text
+    assert "Traceback" not in text and not missing.exists()
