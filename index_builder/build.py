@@ -63,17 +63,18 @@ def build_collection(docs: Iterable[Document], store: CollectionStore, collectio
     check_name(collection)
     if shards < 1:
         raise ValueError("shards must be >= 1")
-    own = vectors is not None
-    if own and not model_id:
-        raise ValueError("a build from your own vectors needs --model-id (the model that made them)")
-    if not own and embedder is None:
-        raise ValueError("a text build needs an embedder (or give --vectors with --model-id)")
+    if vectors is not None and not model_id:
+        raise ValueError(OWN_NEEDS_MODEL_ID)
     build_id = check_name(build_id or time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3),
                           "build")
     with store.staging(collection, build_id) as tmp_dir:
         return _build(docs, collection, embedder, factory, shards, metric, search_defaults or {},
                       build_id, tmp_dir, quiet, seed, dedicated_tenant_min_chunks, vectors,
                       model_id, audit_queries, log_positions or {})
+
+
+OWN_NEEDS_MODEL_ID = ("a build from your own vectors (--vectors, or a `vector` field in the corpus) "
+                      "needs --model-id: the model that made them (query vectors must carry it)")
 
 
 def _check_doc(doc: Document) -> None:
@@ -141,6 +142,12 @@ def _build(docs, collection, embedder, factory, shards, metric, search_defaults,
         _check_doc(doc)
         documents.append(doc)
     own = _own_vectors(documents, given_vectors, metric)
+    # known only now: the vectors may come with the corpus (a `vector` field on every line)
+    if own is not None and not model_id:
+        raise ValueError(OWN_NEEDS_MODEL_ID)
+    if own is None and embedder is None:
+        raise ValueError("a text build needs an embedder (or your own vectors - --vectors FILE or "
+                         "a `vector` field in the corpus - with --model-id)")
     if own is not None:
         corpus_hash.update(b"own-vectors")
     for i, doc in enumerate(documents):

@@ -155,7 +155,7 @@ def _knobs(args) -> tuple[dict, bool]:
 
 
 def cmd_build(args) -> int:
-    from itertools import islice
+    from itertools import chain, islice
 
     import numpy as np
 
@@ -171,6 +171,12 @@ def cmd_build(args) -> int:
     if args.vectors is not None and args.limit:
         vectors = vectors[:args.limit]
     audit_queries = np.load(args.audit_queries, allow_pickle=False) if args.audit_queries else None
+    first = next(docs, None)  # a corpus that carries its vectors needs no model: look before loading one
+    docs = chain([first], docs) if first is not None else iter(())
+    if first is not None and first.vector is not None and not args.model_id:
+        from index_builder.build import OWN_NEEDS_MODEL_ID
+
+        raise ValueError(OWN_NEEDS_MODEL_ID)
     embedder = None
     if vectors is None and not args.model_id:
         from server.backends.device import Device

@@ -219,6 +219,29 @@ def test_the_builder_takes_vectors_from_the_command_line(tmp_path):
     assert "held-in" in out.stdout  # no held-out queries were given: the audit says so
 
 
+def test_the_builder_takes_vectors_from_the_corpus_lines(tmp_path):
+    """Regression (outside QA): a corpus whose lines carry a `vector` field (the documented form)
+    failed with --model-id ("a text build needs an embedder") and, without it, built a
+    collection of model None that no query vector could search."""
+    rng = np.random.default_rng(2)
+    corpus = tmp_path / "v.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "text": f"doc {i}",
+                                          "vector": rng.standard_normal(16).round(4).tolist()}) + "\n"
+                              for i in range(300)))
+
+    def build(*extra):
+        return subprocess.run([sys.executable, "-m", "index_builder.cli", "build", "--data-dir",
+                               str(tmp_path / "data"), "--collection", "vf", "--corpus", str(corpus),
+                               "--quiet", *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    out = build("--embedder", "none-needed")  # no --model-id: refused before any model loads
+    assert out.returncode == 2 and "needs --model-id" in out.stderr, out.stderr
+    assert not list((tmp_path / "data").glob("vf/builds/*"))
+    out = build("--model-id", "m@2", "--publish")
+    assert out.returncode == 0, out.stderr
+    assert "model m@2" in out.stdout and "300 documents, 300 chunks" in out.stdout
+
+
 def test_the_client_sends_more_queries_than_one_batch_holds_and_keeps_their_order(vec_server,
                                                                                  vector_collection):
     """SearchClient.search_batch splits at the server's cap (1024) and answers in request order,
