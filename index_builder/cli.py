@@ -195,9 +195,7 @@ def cmd_build(args) -> int:
         audit = audit_build(store, args.collection, desc.build_id, min_recall=args.min_recall,
                             target_recall=args.target_recall if tune else None)
         recon = audit["reconciliation"]
-        if audit.get("tuning"):
-            print(f"tuned: {audit['tuning']['chosen']} meets recall@{audit['k']} "
-                  f">= {args.target_recall} at the lowest measured cost")
+        _print_tuning(audit, desc.factory)
         print(f"audit: recall@{audit['k']} = {audit['recall']:.4f} over {audit['queries']} "
               f"{audit['query_source']} queries ({'passed' if audit['passed'] else 'FAILED'}, "
               f"threshold {args.min_recall}); count reconciliation "
@@ -211,6 +209,26 @@ def cmd_build(args) -> int:
     return 0
 
 
+def _print_tuning(audit: dict, factory: str) -> None:
+    """What the knob tuning found: never "meets" when nothing met the target."""
+    tuning = audit.get("tuning")
+    if not tuning:
+        return
+    k, target = audit["k"], tuning["target_recall"]
+    if not tuning["sweep"]:
+        print(f"tuned: {factory} has no search knob to tune (recall@{k} {audit['recall']:.4f})")
+    elif audit["recall"] >= target:
+        print(f"tuned: {tuning['chosen']} meets recall@{k} >= {target} at the lowest measured cost")
+    else:
+        print(f"tuned: no setting reached recall@{k} >= {target}; kept the best measured, "
+              f"{tuning['chosen']} ({audit['recall']:.4f}): a larger index (more lists, PQ "
+              "bytes or a refine step) or a lower target is needed")
+    if "held-in" in audit["query_source"]:
+        print("  note: tuned on held-in queries (vectors of the build itself), which flatters "
+              "recall; unseen queries may get less - give --audit-queries FILE (held-out query "
+              "vectors) to tune on those")
+
+
 def cmd_audit(args) -> int:
     from index_builder.build import audit_build
     from server.core.collection import CollectionStore
@@ -220,6 +238,12 @@ def cmd_audit(args) -> int:
     build = args.build or (builds[-1] if builds else None)
     if build is None:
         print(f"collection {args.collection!r} has no builds under {args.data_dir}", file=sys.stderr)
+        return 2
+    if args.target_recall is not None and _is_live(store, args.collection, build):
+        print(f"build {build} is live: servers loaded its search knobs when they switched to it, "
+              "and tuning would rewrite the published build under them; tune a build before "
+              "publishing it (index-builder build --target-recall, or audit --target-recall on "
+              "an unpublished build)", file=sys.stderr)
         return 2
     record = not args.no_record
     if record and not os.access(store.build_dir(args.collection, build), os.W_OK):
@@ -231,6 +255,15 @@ def cmd_audit(args) -> int:
                         state_root=args.state_dir or args.data_dir / ".state", record=record)
     print(json.dumps(audit, indent=2))
     return 0 if audit["passed"] and audit["reconciliation"]["passed"] else 1
+
+
+def _is_live(store, collection: str, build: str) -> bool:
+    from server.errors import NotFound
+
+    try:
+        return store.live_build(collection) == build
+    except NotFound:  # no alias yet: nothing is published
+        return False
 
 
 def cmd_publish(args) -> int:

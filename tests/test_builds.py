@@ -72,6 +72,23 @@ def test_publish_refuses_a_build_whose_files_were_damaged_after_its_audit(two_bu
     assert store.live_build("c") == b.build_id
 
 
+def test_an_explicit_min_recall_decides_publication_lower_or_higher(two_builds):
+    """Regression (outside QA): `publish --min-recall` could only make the check stricter: a
+    build that failed its audit's own threshold stayed refused whatever the operator allowed."""
+    from index_builder.build import audit_build
+    from server.errors import FailedPrecondition
+
+    store, a, b = two_builds
+    audit = audit_build(store, "c", b.build_id, min_recall=1.01)  # no recall can pass this
+    assert not audit["passed"] and audit["reconciliation"]["passed"]
+    with pytest.raises(FailedPrecondition, match="below the required 1.0100"):
+        store.publish("c", b.build_id)
+    with pytest.raises(FailedPrecondition, match="below the required 1.0200"):
+        store.publish("c", b.build_id, min_recall=1.02)
+    store.publish("c", b.build_id, min_recall=audit["recall"])
+    assert store.live_build("c") == b.build_id
+
+
 def test_publish_refuses_a_build_whose_counts_do_not_reconcile(two_builds, tmp_path):
     from index_builder.build import audit_build
 

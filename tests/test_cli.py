@@ -52,6 +52,42 @@ def test_audit_command_reports_json_and_passes(built):
     assert audit["queries"] == 50 and audit["reconciliation"]["passed"]
 
 
+def test_the_live_build_is_not_retuned_under_its_servers(built):
+    """Regression (outside QA): `audit --target-recall` on the live build rewrote the published
+    build's search knobs; running servers kept the old ones (they load them on a switch) while
+    the build on disk said otherwise."""
+    data, _ = built
+    alias = json.loads((data / "cran" / "ALIAS").read_text())
+    release = data / "cran" / "builds" / alias["live"] / "release.json"
+    before = release.read_text()
+    out = cli("audit", "--data-dir", data, "--collection", "cran", "--build", alias["live"],
+              "--target-recall", "0.99")
+    assert out.returncode == 2 and "is live" in out.stderr, out.stderr
+    assert release.read_text() == before
+
+
+def test_tuning_says_whether_the_target_was_met(capsys):
+    """Regression (outside QA): "tuned: ... meets recall@10 >= 0.95" was printed when the best
+    setting reached 0.639, and for Flat, which has nothing to tune."""
+    from index_builder.cli import _print_tuning
+
+    sweep = [{"knobs": {}, "recall": 0.639, "ms_per_query": 0.1}]
+    base = {"k": 10, "query_source": "held-out (build)"}
+    _print_tuning({**base, "recall": 0.639, "tuning": {"target_recall": 0.95, "chosen": {"nprobe": 64},
+                                                       "sweep": sweep}}, "IVF64,PQ16")
+    _print_tuning({**base, "recall": 0.97, "tuning": {"target_recall": 0.95, "chosen": {"nprobe": 8},
+                                                      "sweep": sweep}}, "IVF64,PQ16")
+    _print_tuning({**base, "recall": 1.0, "tuning": {"target_recall": 0.95, "chosen": {}, "sweep": []}},
+                  "Flat")
+    _print_tuning({**base, "query_source": "held-in (sampled from the build; optimistic)", "recall": 0.97,
+                   "tuning": {"target_recall": 0.95, "chosen": {}, "sweep": sweep}}, "HNSW16,Flat")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("tuned: no setting reached recall@10 >= 0.95") and "0.6390" in lines[0]
+    assert "meets recall@10 >= 0.95" in lines[1]
+    assert lines[2] == "tuned: Flat has no search knob to tune (recall@10 1.0000)"
+    assert "meets" in lines[3] and "held-in" in lines[4] and "--audit-queries" in lines[4]
+
+
 def test_every_command_has_help():
     for cmd in ("build", "audit", "publish", "list", "eval", "compact", "canary-check", "demo-corpus"):
         out = cli(cmd, "--help")

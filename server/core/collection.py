@@ -305,8 +305,11 @@ class CollectionStore:
                     f"build {build_id} count reconciliation "
                     + ("was not run; run index-builder audit" if not recon
                        else "failed: " + "; ".join(recon.get("mismatches", []))) + "; not published")
+            # an explicit min_recall replaces the audit's own threshold, lower or higher (the
+            # operator's decision); without one the audit must have passed its threshold
             threshold = min_recall if min_recall is not None else audit.get("min_recall", 0.0)
-            if not audit.get("passed") or audit.get("recall", 0.0) < threshold:
+            passed = audit.get("passed") if min_recall is None else True
+            if not passed or audit.get("recall", 0.0) < threshold:
                 raise FailedPrecondition(
                     f"build {build_id} recall@{audit.get('k')} = {audit.get('recall'):.4f} is below "
                     f"the required {threshold:.4f}; not published")
