@@ -257,6 +257,42 @@ def test_a_rollback_past_two_compactions_keeps_every_write(two_builds, tiny_embe
         srv.stop()
 
 
+def test_a_collection_published_after_the_start_is_served_without_a_restart(two_builds, tiny_embedder,
+                                                                           cranfield_docs):
+    """Regression (outside QA): only the collections there at the start were followed; one
+    published later answered NOT_FOUND until a restart."""
+    import time
+
+    from conftest import publish_build
+
+    store, _, _ = two_builds
+    srv = start_core_server(store.data_dir, tiny_embedder)
+    watcher = asyncio.run_coroutine_threadsafe(srv.core.builds.watch_aliases(0.1), srv.loop)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            req = pb.SearchRequest(collection="later", text="zyxlater", top_k=3, mode=pb.LEXICAL)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Search(req, timeout=30)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            from index_builder.corpus import Document
+
+            publish_build(store.data_dir, "later",
+                          [Document("late-1", "zyxlater text"), *docs("later", cranfield_docs, 20)],
+                          tiny_embedder)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    assert [h.doc_id for h in stub.Search(req, timeout=30).hits] == ["late-1"]
+                    break
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() < deadline
+                    time.sleep(0.1)
+    finally:
+        watcher.cancel()
+        srv.stop()
+
+
 def test_a_vector_from_the_previous_model_is_refused_after_a_migration(two_builds, tiny_embedder,
                                                                        tiny_embedder_dir, cranfield_docs):
     from index_builder.build import audit_build, build_collection

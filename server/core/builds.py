@@ -258,15 +258,34 @@ class BuildManager:
                 "seconds": time.perf_counter() - t0}
 
     async def watch_aliases(self, interval: float) -> None:
-        """Follow alias flips made by `index-builder publish` (poll; a flip is one file rename)."""
+        """Follow alias flips made by `index-builder publish` (poll; a flip is one file rename),
+        and serve collections published for the first time since the start."""
         while True:
             await asyncio.sleep(interval)
+            await self._load_new_collections()
             for name in self.registry.names():
                 try:
                     if self.store.live_build(name) != self.registry.get(name).desc.build_id:
                         await self.switch_build(name)
                 except SearchError as exc:
                     log.error("cannot switch %s to its published build: %s", name, exc)
+
+    async def _load_new_collections(self) -> None:
+        wanted = self.config.storage.collection
+        served = set(self.registry.names())
+        for name in self.store.collections():
+            if name in served or (wanted and name not in wanted):
+                continue
+            try:
+                loaded = await asyncio.get_running_loop().run_in_executor(None, self.open_build, name)
+            except (SearchError, OSError, ValueError) as exc:
+                log.error("cannot serve newly published collection %s: %s", name, exc)
+                continue
+            self.registry.put(loaded)
+            log.info("serving newly published collection %s build %s (%d shards)", name,
+                     loaded.desc.build_id, loaded.desc.shards)
+            if self.on_switch is not None:  # an engine tells its front ends
+                await self.on_switch(name)
 
     async def compact_on_schedule(self, interval: float, min_tombstone_ratio: float) -> None:
         while True:
