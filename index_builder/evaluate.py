@@ -9,13 +9,14 @@ functions against ranx and against rankings computed by hand.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -142,9 +143,17 @@ def _datasets(specs: Sequence[str]) -> list[tuple[Path, str]]:
     return out
 
 
-def _stale_build(store, name: str, model_id: str) -> str:
-    """Why the collection's live build would not measure this version's code (another chunker or
-    embedder), or "" when it would (or there is none)."""
+EVAL_SOURCE = "eval-source.json"  # in the collection's directory: what eval built it from
+
+
+def _corpus_fingerprint(dataset: Path) -> str:
+    corpus = dataset / "corpus.jsonl" if dataset.is_dir() else dataset
+    return hashlib.sha256(corpus.read_bytes()).hexdigest()
+
+
+def _stale_build(store, name: str, model_id: str, dataset: Optional[Path] = None) -> str:
+    """Why the collection's live build would not measure this dataset with this version's code
+    (another corpus, chunker or embedder), or "" when it would (or there is none)."""
     from server.core.chunking import CHUNKER_VERSION
 
     if name not in store.collections():
@@ -154,6 +163,11 @@ def _stale_build(store, name: str, model_id: str) -> str:
         return f": its live build used chunker {desc.chunker}, this version {CHUNKER_VERSION}"
     if desc.model_id != model_id:
         return f": its live build used embedder {desc.model_id}, this version {model_id}"
+    if dataset is not None:
+        source = store.collection_dir(name) / EVAL_SOURCE
+        built_from = json.loads(source.read_text()).get("corpus_sha256") if source.is_file() else None
+        if built_from != _corpus_fingerprint(dataset):
+            return f": its live build was made from another corpus than {dataset}"
     return ""
 
 
@@ -172,13 +186,15 @@ def _serve(data_dir: Path, datasets: list[tuple[Path, str]]):
     store = CollectionStore(data_dir)
     embedder = Embedder(None, Device("auto"))
     for path, name in datasets:
-        stale = _stale_build(store, name, embedder.model_id)
+        stale = _stale_build(store, name, embedder.model_id, path)
         if name in store.collections() and not stale:
             continue
         print(f"building {name} from {path} (Flat, packaged MiniLM){stale}", file=sys.stderr)
         desc = build_collection(read_corpus(path), store, name, embedder, "Flat", quiet=True)
         audit_build(store, name, desc.build_id)
         store.publish(name, desc.build_id)
+        (store.collection_dir(name) / EVAL_SOURCE).write_text(json.dumps(
+            {"dataset": str(path), "corpus_sha256": _corpus_fingerprint(path)}))
     cfg = default_config("serve").replace(storage={"data_dir": data_dir})
     core = SearchCore(cfg, embedder, None, Device("auto"))
     core.load()

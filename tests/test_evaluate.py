@@ -63,14 +63,16 @@ def test_the_paired_tests_tell_a_real_difference_from_noise():
     assert same["p_randomization"] > 0.05 and same["p_ttest"] > 0.05
 
 
-def test_eval_rebuilds_a_collection_built_by_another_chunker_or_embedder(tmp_path, tiny_embedder,
+def test_eval_rebuilds_a_collection_built_from_another_corpus_chunker_or_embedder(tmp_path, tiny_embedder,
                                                                           cranfield_docs):
     """`eval --serve-from DIR` reuses a collection it built before only when that build measures
-    this version's code; a build from an older chunker or another embedder is rebuilt, not
-    silently evaluated."""
+    this dataset with this version's code; a build from another corpus, an older chunker or
+    another embedder is rebuilt, not silently evaluated."""
     import dataclasses
 
-    from index_builder.evaluate import _stale_build
+    import json
+
+    from index_builder.evaluate import EVAL_SOURCE, _corpus_fingerprint, _stale_build
     from server.core.chunking import CHUNKER_VERSION
     from server.core.collection import CollectionStore
 
@@ -81,6 +83,17 @@ def test_eval_rebuilds_a_collection_built_by_another_chunker_or_embedder(tmp_pat
     desc = publish_build(tmp_path, "cran", cranfield_docs[:20], tiny_embedder)
     assert _stale_build(store, "cran", tiny_embedder.model_id) == ""
     assert "embedder" in _stale_build(store, "cran", "another-model@1")
+    # another corpus under the same collection name (outside QA: a changed dataset, or another
+    # directory of the same name, was evaluated against the old build: nDCG 0.0, no warning)
+    dataset = tmp_path / "ds"
+    dataset.mkdir()
+    (dataset / "corpus.jsonl").write_text('{"_id": "1", "text": "one"}\n')
+    assert "another corpus" in _stale_build(store, "cran", tiny_embedder.model_id, dataset)
+    (store.collection_dir("cran") / EVAL_SOURCE).write_text(json.dumps(
+        {"corpus_sha256": _corpus_fingerprint(dataset)}))
+    assert _stale_build(store, "cran", tiny_embedder.model_id, dataset) == ""
+    (dataset / "corpus.jsonl").write_text('{"_id": "1", "text": "one, edited"}\n')
+    assert "another corpus" in _stale_build(store, "cran", tiny_embedder.model_id, dataset)
     store.write_descriptor(dataclasses.replace(desc, chunker="words-160-32/v3"))
     why = _stale_build(store, "cran", tiny_embedder.model_id)
     assert "words-160-32/v3" in why and CHUNKER_VERSION in why
