@@ -138,26 +138,39 @@ def request(text: str = "", *, collection: str, top_k: int = 10, mode: str = "hy
                             vector=qv, **fields)
 
 
+def _is_jsonl(lines: list[str]) -> bool:
+    """The file's format, from its first non-blank line: a JSON object makes it JSONL (every line
+    must then be one); anything else, plain text, where a line that starts with "{" is a query."""
+    first = next((x.strip() for x in lines if x.strip()), "")
+    try:
+        return isinstance(json.loads(first), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def read_queries(path: Path) -> list[tuple[str, str]]:
     """(id, text) pairs from a file: JSONL with `text` (or `query`) and optional `_id`/`id` (a BEIR
-    queries.jsonl works as is), or plain text with one query per line. Blank lines are skipped."""
-    out = []
+    queries.jsonl works as is), or plain text with one query per line (the first non-blank line
+    decides which). Blank lines are skipped."""
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            if line.startswith("{"):
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-                text = obj.get("text", obj.get("query"))
-                if not isinstance(text, str):
-                    raise ValueError(f"{path}:{n}: a JSON query needs a string `text` field")
-                out.append((str(obj.get("_id", obj.get("id", n))), text))
-            else:
-                out.append((str(n), line))
+        lines = f.readlines()
+    jsonl = _is_jsonl(lines)
+    out = []
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        if not jsonl:
+            out.append((str(n), line))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+        text = obj.get("text", obj.get("query")) if isinstance(obj, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f"{path}:{n}: a JSON query needs a string `text` field")
+        out.append((str(obj.get("_id", obj.get("id", n))), text))
     return out
 
 
@@ -183,7 +196,11 @@ def _run_file(client: SearchClient, args) -> int:
     except (OSError, ValueError) as exc:
         print(f"search-client: {exc}", file=sys.stderr)
         return 2
-    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    try:
+        out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    except OSError as exc:
+        print(f"search-client: cannot write {args.out}: {exc.strerror}", file=sys.stderr)
+        return 2
     codes: Counter = Counter()
     t0 = time.perf_counter()
     try:

@@ -323,6 +323,26 @@ def test_search_client_answers_a_file_of_queries(server, tmp_path):
     bad.write_text('{"text": 3}\n')
     proc, _ = run(bad)
     assert proc.returncode == 2 and "bad.jsonl:1" in proc.stderr
+    # regression (outside QA): an unwritable --out ended in a traceback
+    proc = subprocess.run([sys.executable, "-m", "server.client", "--address", server.address,
+                           "--collection", "cran", "--queries", str(plain), "--out",
+                           str(tmp_path / "no-such-dir" / "x.jsonl")], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "cannot write" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_plain_query_file_may_have_lines_that_start_with_a_brace(tmp_path):
+    """Regression (outside QA): one plain-text query starting with "{" made the whole file fail
+    as invalid JSON. The first non-blank line decides the format."""
+    from server.client import read_queries
+
+    plain = tmp_path / "q.txt"
+    plain.write_text("boundary layer\n{curly} braces in a query\n")
+    assert read_queries(plain) == [("1", "boundary layer"), ("2", "{curly} braces in a query")]
+    jsonl = tmp_path / "q.jsonl"
+    jsonl.write_text('{"_id": "a", "text": "one"}\nnot json\n')
+    with pytest.raises(ValueError, match="q.jsonl:2: not valid JSON"):
+        read_queries(jsonl)
 
 
 def test_the_length_of_a_query_vector_changes_nothing(vec_server, vector_collection):
