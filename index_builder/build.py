@@ -77,6 +77,19 @@ OWN_NEEDS_MODEL_ID = ("a build from your own vectors (--vectors, or a `vector` f
                       "needs --model-id: the model that made them (query vectors must carry it)")
 
 
+def prepare_audit_queries(queries, dim: int, metric: str) -> np.ndarray:
+    """Held-out audit query vectors, checked and scaled as the server scales query vectors."""
+    queries = np.asarray(queries, dtype=np.float32)
+    if queries.ndim != 2 or queries.shape[1] != dim or not len(queries):
+        raise ValueError(f"audit queries must be an (n, {dim}) array, not {queries.shape}")
+    if not np.isfinite(queries).all():
+        raise ValueError("audit queries hold NaN or infinite values")
+    try:
+        return unit_vectors(queries, metric, "audit query")
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _check_doc(doc: Document) -> None:
     if not NAME.match(doc.tenant):
         raise ValueError(f"document {doc.doc_id!r}: tenant {doc.tenant[:80]!r} must match {NAME.pattern}")
@@ -180,14 +193,7 @@ def _build(docs, collection, embedder, factory, shards, metric, search_defaults,
             audit_queries = _span_queries(chunks, embedder, 200, seed)
     dim = vectors.shape[1]
     if audit_queries is not None:
-        audit_queries = np.asarray(audit_queries, dtype=np.float32)
-        if audit_queries.ndim != 2 or audit_queries.shape[1] != dim:
-            raise ValueError(f"audit queries must be an (n, {dim}) array, not {audit_queries.shape}")
-        try:  # scaled as the server scales query vectors
-            audit_queries = unit_vectors(audit_queries, metric, "audit query")
-        except InvalidArgument as exc:
-            raise ValueError(str(exc)) from None
-        np.save(tmp_dir / AUDIT_QUERIES, audit_queries)
+        np.save(tmp_dir / AUDIT_QUERIES, prepare_audit_queries(audit_queries, dim, metric))
 
     # 3. per shard: train, add in blocks, write dense + lexical + chunk store
     rng = np.random.default_rng(seed)

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--k", type=int, default=10)
     a.add_argument("--queries", type=int, default=200, help="audit queries used (held-out ones "
                    "stored with the build when it has them)")
+    a.add_argument("--audit-queries", type=Path, default=None,
+                   help=".npy of held-out query vectors (n x dim) to audit (and tune) on, instead "
+                        "of the ones stored with the build")
     a.add_argument("--min-recall", type=float, default=0.9)
     a.add_argument("--target-recall", type=float, default=None,
                    help="also tune the search knobs to the cheapest setting meeting this recall")
@@ -230,7 +233,9 @@ def _print_tuning(audit: dict, factory: str) -> None:
 
 
 def cmd_audit(args) -> int:
-    from index_builder.build import audit_build
+    import numpy as np
+
+    from index_builder.build import audit_build, prepare_audit_queries
     from server.core.collection import CollectionStore
 
     store = CollectionStore(args.data_dir)
@@ -250,8 +255,14 @@ def cmd_audit(args) -> int:
         print(f"{store.build_dir(args.collection, build)} is read-only: the result is printed, "
               "not recorded", file=sys.stderr)
         record = False
-    audit = audit_build(store, args.collection, build, args.k, n_queries=args.queries,
-                        min_recall=args.min_recall, target_recall=args.target_recall,
+    queries = None
+    if args.audit_queries is not None:
+        desc = store.descriptor(args.collection, build)
+        queries = prepare_audit_queries(np.load(args.audit_queries, allow_pickle=False), desc.dim,
+                                        desc.metric)
+    audit = audit_build(store, args.collection, build, args.k, queries=queries,
+                        n_queries=args.queries, min_recall=args.min_recall,
+                        target_recall=args.target_recall,
                         state_root=args.state_dir or args.data_dir / ".state", record=record)
     print(json.dumps(audit, indent=2))
     return 0 if audit["passed"] and audit["reconciliation"]["passed"] else 1

@@ -217,6 +217,20 @@ def test_the_builder_takes_vectors_from_the_command_line(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "model m@1" in out.stdout and "published" in out.stdout
     assert "held-in" in out.stdout  # no held-out queries were given: the audit says so
+    # ... and a later audit can use held-out query vectors from a file (outside QA: it took a
+    # count only, so a build made without them could never be audited on unseen queries)
+    np.save(tmp_path / "q.npy", rng.standard_normal((40, 16)).astype(np.float32))
+    audit = [sys.executable, "-m", "index_builder.cli", "audit", "--data-dir", str(tmp_path / "data"),
+             "--collection", "cli", "--no-record", "--min-recall", "0"]
+    out = subprocess.run([*audit, "--audit-queries", str(tmp_path / "q.npy")], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["query_source"] == "held-out (given)" and report["queries"] == 40
+    np.save(tmp_path / "q8.npy", rng.standard_normal((40, 8)).astype(np.float32))
+    out = subprocess.run([*audit, "--audit-queries", str(tmp_path / "q8.npy")], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "audit queries must be an (n, 16) array" in out.stderr, out.stderr
 
 
 def test_the_builder_takes_vectors_from_the_corpus_lines(tmp_path):

@@ -40,7 +40,7 @@ def _load_shards(store: CollectionStore, desc: ReleaseDescriptor, knobs: SearchK
 def _queries(store: CollectionStore, desc: ReleaseDescriptor, shards, queries, n: int,
              seed: int) -> tuple[np.ndarray, str]:
     if queries is not None:
-        return np.ascontiguousarray(queries, np.float32), "given"
+        return np.ascontiguousarray(queries, np.float32), "held-out (given)"
     path = store.build_dir(desc.collection, desc.build_id) / AUDIT_QUERIES
     if path.is_file():
         return np.ascontiguousarray(np.load(path)[:max(n, 1)], np.float32), "held-out (build)"
