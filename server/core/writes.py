@@ -37,7 +37,11 @@ class WriteAck:
 class WriteLog(Protocol):
     """The replicated write log (server/replication/): appends are idempotent by message id."""
 
-    async def append(self, collection: str, shard: int, write: ShardWrite, msg_id: str) -> int: ...
+    async def append(self, collection: str, shard: int, write: ShardWrite,
+                     msg_id: str) -> tuple[int, bool]:
+        """(sequence, already held): a message id the log holds already stores nothing and
+        answers the sequence of the one it holds."""
+        ...
 
     async def check_against_replicas(self, applied: dict[int, int]) -> Optional[str]:
         """Refuse appends while the log ends before a position a replica has applied (shard ->
@@ -113,8 +117,11 @@ class WritePath:
             sw = await self.shard_write(w, tenant, coll.desc, now)
             shard_no = shard_of(tenant, w.doc_id, coll.desc.shards)
             if self.log is not None:
-                seq = await self.log.append(coll.name, shard_no, sw, message_id(coll.name, sw))
-                ack = WriteAck("accepted", w.version, "", seq)
+                seq, held = await self.log.append(coll.name, shard_no, sw, message_id(coll.name, sw))
+                # the log holds this (document, version, op) already - a retry, or another body
+                # under a version already written: nothing new was stored, as the embedded
+                # server answers (the first body stands)
+                ack = WriteAck("noop" if held else "accepted", w.version, "", seq)
             else:
                 out = (await coll.shards[shard_no].apply([sw]))[0]
                 ack = WriteAck(out.outcome, out.stored_version, str(out.index_version), out.seq)

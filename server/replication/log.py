@@ -102,14 +102,15 @@ class ReplicatedWriteLog:
     async def connect(cls, config: ReplicationConfig, collection: str) -> "ReplicatedWriteLog":
         return cls(await connect_log(config, collection), config)
 
-    async def append(self, collection: str, shard: int, write: ShardWrite, msg_id: str) -> int:
+    async def append(self, collection: str, shard: int, write: ShardWrite,
+                     msg_id: str) -> tuple[int, bool]:
         from server.transport.codec import shard_write_to_pb
 
         if self.broken:
             raise FailedPrecondition(self.broken)
         payload = shard_write_to_pb(write, collection, write.model_id).SerializeToString()
         result = await self.js.publish(shard, payload, msg_id, self.config.publish_timeout_s)
-        return result.seq
+        return result.seq, result.duplicate
 
     async def close(self) -> None:
         await self.js.close()
