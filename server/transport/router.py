@@ -3,12 +3,12 @@ the build its replicas serve.
 
 The router needs no copy of the index files: it reads each replica's release descriptor over
 ShardInfo. At start it serves the build most replicas serve (the newest on a tie); replicas on
-another build are out of rotation - but not one that flipped to a new build and still answers for
-the router's (its ShardInfo `also_serves` it for a grace period). `follow_builds` re-reads every replica's ShardInfo and moves
-the router to a published build once every replica of every shard serves it, and puts replicas
-that came back to the router's build into rotation again. Both also check that the write log
-ends at or after every replica's applied position (`check_write_log`): a stream that lost its
-entries takes no writes.
+another build are out of rotation - but not one that flipped to a new build and still answers
+for the router's (its ShardInfo `also_serves` it for a grace period). `follow_builds` re-reads
+every replica's ShardInfo and moves the router to a published build once every replica of every
+shard serves it, and puts replicas that came back to the router's build into rotation again.
+Both also check that the write log ends at or after every replica's applied position
+(`check_write_log`): a stream that lost its entries takes no writes.
 """
 from __future__ import annotations
 

@@ -103,7 +103,8 @@ class ShardReplica:
                     if self.js is not None:
                         replicator = self._replicator(new)
                         await replicator.catch_up()
-                    await self._retire(None, swap)  # a flip within the grace period: the one before goes now
+                    # a flip within the grace period: the build before the previous one goes now
+                    await self._retire(None, swap)
                 old = self.previous = (self.served, self.local, self.replicator)
                 self.local, self.replicator = new, replicator
                 self.served = FaultyShard(new, self.faults) if self.faults.active else new
