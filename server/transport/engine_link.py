@@ -153,6 +153,7 @@ class EngineClient:
         self._reader_task: Optional[asyncio.Task] = None
         self._writer: Optional[asyncio.StreamWriter] = None
         self._lock = asyncio.Lock()
+        self._closing = False
 
     async def connect(self, timeout: float = 60.0) -> None:
         loop = asyncio.get_running_loop()
@@ -181,7 +182,8 @@ class EngineClient:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # EOF, a reset, a bad message: the link is gone either way
-            self._lose(f"the engine process went away ({type(exc).__name__})")
+            if not self._closing:  # (our own close() ends the link too: that is no loss)
+                self._lose(f"the engine process went away ({type(exc).__name__})")
 
     def _lose(self, why: str) -> None:
         """Every waiting call fails UNAVAILABLE (a client retries elsewhere) and so does every
@@ -218,6 +220,7 @@ class EngineClient:
             self._waiting.pop(req_id, None)
 
     async def close(self) -> None:
+        self._closing = True
         if self._writer is not None:
             self._writer.close()
         if self._reader_task is not None:
