@@ -129,15 +129,16 @@ def test_writes_through_the_router_are_logged_and_read_your_writes_holds(cluster
 
 
 def test_a_retried_write_is_stored_once(cluster):
-    """A retry is stored once; so is another body under a version already written, and both
-    say so (NOOP_STALE_VERSION, as the embedded server answers; outside QA found the router
-    answering ACCEPTED while the new body was silently dropped)."""
+    """A retry is stored once and answered as the write (ACCEPTED, the same sequence); another
+    body under a version already written stores nothing and says so (NOOP_STALE_VERSION, as the
+    embedded server answers; outside QA found the router answering ACCEPTED while the new body
+    was silently dropped)."""
     stub = cluster["stub"]
     first = write(stub, "retry-1", 4, "zyxretry the same write sent twice")
     assert first.outcome == ACCEPTED
     again = write(stub, "retry-1", 4, "zyxretry the same write sent twice")
     assert again.sequence == first.sequence  # the log dropped the duplicate (same message id)
-    assert again.outcome == pb.WriteResponse.NOOP_STALE_VERSION
+    assert again.outcome == ACCEPTED
     other = write(stub, "retry-1", 4, "zyxotherbody under the same version")
     assert (other.outcome, other.sequence) == (pb.WriteResponse.NOOP_STALE_VERSION, first.sequence)
     assert lexical(stub, "zyxretry", min_seq=first.sequence) == ["retry-1"]

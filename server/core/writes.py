@@ -39,8 +39,9 @@ class WriteLog(Protocol):
 
     async def append(self, collection: str, shard: int, write: ShardWrite,
                      msg_id: str) -> tuple[int, bool]:
-        """(sequence, already held): a message id the log holds already stores nothing and
-        answers the sequence of the one it holds."""
+        """(sequence, superseded): a message id the log holds already stores nothing and answers
+        the sequence of the entry it holds; `superseded` when that entry is another write (another
+        body under the same document, version and op), not this one or a retry of it."""
         ...
 
     async def check_against_replicas(self, applied: dict[int, int]) -> Optional[str]:
@@ -117,11 +118,11 @@ class WritePath:
             sw = await self.shard_write(w, tenant, coll.desc, now)
             shard_no = shard_of(tenant, w.doc_id, coll.desc.shards)
             if self.log is not None:
-                seq, held = await self.log.append(coll.name, shard_no, sw, message_id(coll.name, sw))
-                # the log holds this (document, version, op) already - a retry, or another body
-                # under a version already written: nothing new was stored, as the embedded
-                # server answers (the first body stands)
-                ack = WriteAck("noop" if held else "accepted", w.version, "", seq)
+                seq, superseded = await self.log.append(coll.name, shard_no, sw,
+                                                        message_id(coll.name, sw))
+                # another body under a version the log holds already: nothing was stored and the
+                # first body stands, as the embedded server answers; a retry is ACCEPTED (held)
+                ack = WriteAck("noop" if superseded else "accepted", w.version, "", seq)
             else:
                 out = (await coll.shards[shard_no].apply([sw]))[0]
                 ack = WriteAck(out.outcome, out.stored_version, str(out.index_version), out.seq)

@@ -571,6 +571,19 @@ class JetStreamWriteLog:
         except nats.js.errors.APIError as exc:
             raise self._api_error(f"read the last sequence of {subject}", exc) from exc
 
+    async def payload_at(self, seq: int, timeout: float = 5.0) -> bytes:
+        """The payload the stream holds at sequence `seq` (`WriteLogError` if it holds none)."""
+        timeout = _check_timeout(timeout)
+
+        async def attempt(t: float) -> bytes:
+            msg = await self._nc.jsm(timeout=t).get_msg(self._stream, seq)
+            return bytes(msg.data or b"")
+
+        try:
+            return await self._call(f"read entry {seq} of {self._stream}", attempt, timeout)
+        except nats.js.errors.APIError as exc:
+            raise self._api_error(f"read entry {seq} of {self._stream}", exc) from exc
+
     async def close(self) -> None:
         """Close the connection (idempotent). Durable consumers stay on the server."""
         await _close_quietly(self._nc)

@@ -21,6 +21,7 @@ for its subject's last sequence L and waits only for min(S, L).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import ssl
@@ -108,12 +109,39 @@ class ReplicatedWriteLog:
 
         if self.broken:
             raise FailedPrecondition(self.broken)
-        payload = shard_write_to_pb(write, collection, write.model_id).SerializeToString()
-        result = await self.js.publish(shard, payload, msg_id, self.config.publish_timeout_s)
-        return result.seq, result.duplicate
+        message = shard_write_to_pb(write, collection, write.model_id)
+        result = await self.js.publish(shard, message.SerializeToString(), msg_id,
+                                       self.config.publish_timeout_s)
+        if not result.duplicate:
+            return result.seq, False
+        # The log held this message id already: a client's retry, the log client's own retry of
+        # this very call (an earlier attempt stored it, its ack was lost), or another body under
+        # a version already written. Only the last stored nothing new.
+        try:
+            held = await self.js.payload_at(result.seq, self.config.publish_timeout_s)
+        except SearchError:
+            return result.seq, False  # cannot tell: the log holds an entry for it, as ACCEPTED says
+        return result.seq, not _same_write(held, message)
 
     async def close(self) -> None:
         await self.js.close()
+
+
+def _same_write(held: bytes, message) -> bool:
+    """The same write but for the time it was taken in (a retry's `ingested_at` is later)."""
+    from server.rpc import shard_pb2
+
+    other = shard_pb2.ShardWrite()
+    other.ParseFromString(held)
+
+    def content(m) -> tuple:
+        body = json.loads(m.body_json or "{}")
+        body.pop("ingested_at", None)
+        return (m.op, m.tenant, m.doc_id, m.version, body, [(c.index, c.start, c.end, c.text)
+                                                            for c in m.chunks],
+                m.vectors, m.dim, m.model_id)
+
+    return content(other) == content(message)
 
 
 def durable_name(replica_id: str, build_id: str, shard: int) -> str:
