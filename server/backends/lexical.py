@@ -76,6 +76,12 @@ class LexicalIndex:
         self.index = index
         self.schema = schema
         self.analyzer = make_analyzer()
+        # a build made by analyzer v1 indexed text as given: its queries and new writes are not
+        # normalised either, so old and new text of one index are analysed alike
+        self.normalize = True
+
+    def _text(self, text: str) -> str:
+        return normalize(text) if self.normalize else text
 
     @classmethod
     def create(cls, directory: Path) -> "LexicalIndex":
@@ -121,8 +127,8 @@ class LexicalIndex:
             doc = tantivy.Document()
             doc.add_unsigned("row", int(row))
             if title:
-                doc.add_text("title", normalize(title))
-            doc.add_text("text", normalize(text))
+                doc.add_text("title", self._text(title))
+            doc.add_text("text", self._text(text))
             doc.add_text("tenant", tenant)
             for scope in acl:
                 doc.add_text("acl", scope)
@@ -211,7 +217,7 @@ class LexicalIndex:
         when longer ones exist: in conversational queries they are debris ("I'm" -> i, m) that
         matches authors' initials (measured on CACM: docs/BENCHMARKS.md)."""
         counts: dict[str, int] = {}
-        for tok in self.analyzer.analyze(normalize(text)):
+        for tok in self.analyzer.analyze(self._text(text)):
             counts[tok] = counts.get(tok, 0) + 1
         if any(len(t) > 1 for t in counts):
             counts = {t: n for t, n in counts.items() if len(t) > 1}

@@ -195,6 +195,9 @@ class MicroBatcher(Generic[T, R]):
     def _each_alone(self, batch: list[_Pending]) -> list:
         out = []
         for p in batch:
+            if p.future.done():  # its caller has gone meanwhile: no device time for it
+                out.append(None)
+                continue
             try:
                 out.append(self._call([p])[0])
             except Exception as exc:

@@ -532,7 +532,8 @@ class QueryPipeline:
     @staticmethod
     def _internal(st: _Query, stage: str, exc: Exception) -> Internal:
         log.error("query on %s failed in %s", st.q.collection, stage, exc_info=exc)
-        return Internal(f"internal error in {stage}: {type(exc).__name__}: {exc}")
+        # the type only, as the transport boundary answers: the message may hold internals
+        return Internal(f"internal error in {stage} ({type(exc).__name__}); the server log has it")
 
     async def _finish_one(self, st: _Query, tenant: str, acl_scopes: tuple,
                           deadline: Optional[float]) -> SearchResult:

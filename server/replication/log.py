@@ -84,16 +84,17 @@ class ReplicatedWriteLog:
         the write, and no replica would ever apply it), so appends are refused until the stream
         ends at or after every replica again. `applied`: shard -> highest applied sequence among
         its replicas (read before this call: the log only grows meanwhile)."""
+        shards = sorted(s for s, seq in applied.items() if seq > 0)
+        # all shards at once, briefly: this runs in the router's build follower
+        lasts = await asyncio.gather(*(self.js.last_sequence(s, timeout=2.0) for s in shards))
         problem = None
-        for shard, seq in sorted(applied.items()):
-            if seq > 0:
-                last = await self.js.last_sequence(shard)
-                if last < seq:
-                    problem = (f"the write log of shard {shard} ends at sequence {last} but a "
-                               f"replica has applied up to {seq}: the stream lost entries (NATS "
-                               "storage wiped or replaced?); writes are refused until it is "
-                               "restored or the replicas are rebuilt from a snapshot")
-                    break
+        for shard, last in zip(shards, lasts):
+            if last < applied[shard]:
+                problem = (f"the write log of shard {shard} ends at sequence {last} but a "
+                           f"replica has applied up to {applied[shard]}: the stream lost entries "
+                           "(NATS storage wiped or replaced?); writes are refused until it is "
+                           "restored or the replicas are rebuilt from a snapshot")
+                break
         if problem != self.broken:
             (log.error if problem else log.warning)("write log: %s", problem or "consistent again")
         self.broken = problem

@@ -37,6 +37,7 @@ from server.errors import SearchError, Unavailable
 
 log = logging.getLogger(__name__)
 _LEN = struct.Struct("!I")
+RESTARTS_PER_MINUTE = 5  # front-end exits the engine restarts before it stops the server
 
 
 async def _send(writer: asyncio.StreamWriter, obj: Any) -> None:
@@ -354,18 +355,28 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
         async def watch_frontends(ready: asyncio.Task) -> None:
             """A front end that exits is reaped and started again once the server has served;
             one that exits before the server ever served fails the start (the same cause would
-            repeat: a port taken, a bad flag) instead of leaving the engine waiting for it."""
+            repeat: a port taken, a bad flag) instead of leaving the engine waiting for it, and
+            so does one that keeps exiting (RESTARTS_PER_MINUTE): the orchestrator restarts the
+            whole server rather than this loop restarting a front end for ever."""
+            restarts: list[float] = []
             while not stop.is_set():
                 await asyncio.sleep(0.5)
                 for i, c in enumerate(children):
                     code = c.poll()
                     if code is None or stop.is_set():
                         continue
+                    now = loop.time()
+                    restarts[:] = [t for t in restarts if now - t < 60.0]
                     if not ready.done() or ready.exception() is not None:
                         failed.append(f"front end {i} (pid {c.pid}) exited with status {code} "
                                       "before serving")
+                    elif len(restarts) >= RESTARTS_PER_MINUTE:
+                        failed.append(f"front end {i} (pid {c.pid}) exited with status {code}, "
+                                      f"the {len(restarts) + 1}th front-end exit within a minute")
+                    if failed:
                         stop.set()
                         return
+                    restarts.append(now)
                     log.error("front end %d (pid %d) exited with status %s: starting it again",
                               i, c.pid, code)
                     children[i] = spawn(i)
@@ -380,6 +391,7 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
                       f"front-end processes, one engine){note}{app.loop_note()}", flush=True)
             await stop.wait()
         finally:
+            stop.set()  # the watcher restarts no front end from here on
             for c in children:  # front ends drain their calls; the engine answers until they exit
                 if c.poll() is None:
                     c.send_signal(signal.SIGTERM)

@@ -100,11 +100,17 @@ class ShardReplica:
                 else:
                     new = await loop.run_in_executor(None, self._open, live)
                     replicator, started = None, False
-                    if self.js is not None:
-                        replicator = self._replicator(new)
-                        await replicator.catch_up()
-                    # a flip within the grace period: the build before the previous one goes now
-                    await self._retire(None, swap)
+                    try:
+                        if self.js is not None:
+                            replicator = self._replicator(new)
+                            await replicator.catch_up()
+                        # a flip within the grace period: the build before the previous one goes
+                        await self._retire(None, swap)
+                    except BaseException:  # not swapped in: release it (it holds its state's
+                        if replicator is not None:  # lock; the next poll opens it again)
+                            await replicator.stop()
+                        await new.close()
+                        raise
                 old = self.previous = (self.served, self.local, self.replicator)
                 self.local, self.replicator = new, replicator
                 self.served = FaultyShard(new, self.faults) if self.faults.active else new

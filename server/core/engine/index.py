@@ -164,6 +164,7 @@ class ShardIndex:
             raise IndexCorruptError(f"vector file {vectors_path} holds {base.shape}, not (n, {desc.dim})")
         self.vectors = ShardVectors(base, desc.dim)
         self.lexical = LexicalIndex.open(self.state_dir / "lexical")
+        self.lexical.normalize = desc.lexical_analyzer.startswith("nfkc")  # v2 on (see lexical.py)
         self.records = RecordCache(record_cache_rows, (desc.collection, str(shard_no)))
         self._rw = RWLock()
         self._write_mutex = threading.Lock()
