@@ -229,6 +229,13 @@ def test_a_corpus_build_published_after_compactions_gets_every_earlier_write(two
             gone_b, kept_b = (f"b-{d.doc_id}" for d in cranfield_docs[80:82])
             first, second = _writes_across_two_compactions(stub, admin, gone_b)
             assert srv.core.builds.lineage("c", second) == [a.build_id, first, second]
+            # a compaction replays only its source's log: the builds before that are in its base
+            # (re-reading the whole history at every compaction grew without bound)
+            from server.core.compaction import read_replay_marker
+
+            marker = read_replay_marker(srv.core.config.storage.resolved_state_dir() / "c" / second,
+                                        store.build_dir("c", second))
+            assert first in marker and a.build_id not in marker, marker
             assert _lineage_answer(stub) == (second, LINEAGE_WANT)
             store.publish("c", b.build_id)
             run(srv, srv.core.switch_build("c"))

@@ -157,8 +157,16 @@ class BuildManager:
         already (a rollback to a build that served before)."""
         if source_build == target.desc.build_id:
             return 0
+        chain = self.lineage(name, source_build)
+        base = target.desc.compacted_from
+        if base in chain:
+            # the target compacts `base`: its base files hold everything `base` held, which
+            # includes every earlier build's writes; only `base`'s log from the snapshot on
+            # (its replay marker) and later builds' logs are new to it. Without this cut every
+            # compaction re-read the whole write history.
+            chain = chain[chain.index(base):]
         applied = 0
-        for build in self.lineage(name, source_build):
+        for build in chain:
             if build != target.desc.build_id:
                 applied += await self._replay_log(name, build, target)
         return applied
