@@ -417,6 +417,38 @@ def test_replicas_that_all_flipped_keep_answering_the_router_until_it_follows_an
             r.stop()
 
 
+def test_a_replica_that_is_down_does_not_hold_the_router_on_the_old_build(
+        tmp_path, tiny_embedder, cranfield_docs):
+    """Review: the router followed a new build only when every replica answered ShardInfo, so one
+    replica down during a rollout kept it on the old build for good, and its siblings stopped
+    answering for that build after their grace period."""
+    from index_builder.build import audit_build, build_collection
+    from server.core.collection import CollectionStore
+
+    b1 = publish_build(tmp_path, "dn", cranfield_docs[:40], tiny_embedder)
+    store = CollectionStore(tmp_path)
+    b2 = build_collection(cranfield_docs[40:80], store, "dn", tiny_embedder, quiet=True)
+    audit_build(store, "dn", b2.build_id)
+    up = ShardProcess(tmp_path, "dn", 0, "--alias-poll-s", "0.2")
+    down = ShardProcess(tmp_path, "dn", 0, "--alias-poll-s", "0.2")
+    router = start_router(tiny_embedder, "dn", [[up.address, down.address]], follow_builds_s=0.3)
+    try:
+        stub = stub_for(router.address)
+        assert stub.Search(pb.SearchRequest(collection="dn", text="flow", top_k=3),
+                           timeout=10).build_id == b1.build_id
+        down.stop()
+        store.publish("dn", b2.build_id)
+        deadline = time.monotonic() + 30
+        while stub.Search(pb.SearchRequest(collection="dn", text="flow", top_k=3),
+                          timeout=10).build_id != b2.build_id:
+            assert time.monotonic() < deadline, "the router did not follow with a replica down"
+            time.sleep(0.2)
+    finally:
+        router.stop()
+        up.stop()
+        down.stop()
+
+
 def test_a_stopped_replica_costs_no_query_its_deadline(three_shard_build, tiny_embedder):
     """Regression (issue 10.4): one replica of two SIGSTOPped under 8 client threads with a 3 s
     deadline failed 11 queries (8 in hybrid mode even with unlimited hedging): FetchChunks was not

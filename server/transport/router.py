@@ -5,8 +5,9 @@ The router needs no copy of the index files: it reads each replica's release des
 ShardInfo. At start it serves the build most replicas serve (the newest on a tie); replicas on
 another build are out of rotation - but not one that flipped to a new build and still answers
 for the router's (its ShardInfo `also_serves` it for a grace period). `follow_builds` re-reads
-every replica's ShardInfo and moves the router to a published build once every replica of every
-shard serves it, and puts replicas that came back to the router's build into rotation again.
+every replica's ShardInfo and moves the router to a published build once every replica that
+answers serves it (at least one per shard: a replica that is down does not hold the router back),
+and puts replicas that came back to the router's build into rotation again.
 Both also check that the write log ends at or after every replica's applied position
 (`check_write_log`): a stream that lost its entries takes no writes.
 """
@@ -129,15 +130,19 @@ async def follow_builds(core: SearchCore, collection: str, interval: float = 2.0
             infos = await _read_infos(sets, timeout, wait=False)
             await check_write_log(core, infos)
             builds = {i.build_id for shard in infos for i in shard if i is not None}
-            complete = all(all(i is not None for i in shard) for shard in infos)
-            if complete and len(builds) == 1 and builds != {current.desc.build_id}:
+            # every shard answers through at least one replica, and every replica that answers
+            # serves the new build: follow. A replica that is down must not hold the router on the
+            # old build for ever (its siblings stop answering for it after their grace period);
+            # when it comes back it follows the alias too, out of rotation until it does.
+            answered = all(any(i is not None for i in shard) for shard in infos)
+            if answered and len(builds) == 1 and builds != {current.desc.build_id}:
                 desc = _choose_build(infos)
                 if desc.shards == len(sets):
                     _adopt(sets, infos, desc)
                     core.attach(LoadedCollection(desc, sets, direct_writes=False))
                     core.pipeline.clear_cache()
-                    log.info("%s: every replica serves build %s now; the router follows it "
-                             "(was %s)", collection, desc.build_id, current.desc.build_id)
+                    log.info("%s: every replica that answers serves build %s now; the router "
+                             "follows it (was %s)", collection, desc.build_id, current.desc.build_id)
                     continue
             _adopt(sets, infos, current.desc)
         except SearchError as exc:
