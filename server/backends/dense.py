@@ -97,6 +97,19 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def recorded_file_problem(path: Path, want: dict) -> Optional[str]:
+    """What is wrong with a build file against what the build recorded of it ({bytes, sha256}),
+    worded to follow the file's name; None when it is whole."""
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != want["bytes"]:
+        return f"is {size} bytes, the build recorded {want['bytes']} (truncated?)"
+    if file_sha256(path) != want["sha256"]:
+        return "fails its sha256 check (corrupted)"
+    return None
+
+
 class DenseIndex:
     """A trained faiss index plus the row -> chunk id map of one shard.
 
@@ -205,13 +218,9 @@ class DenseIndex:
             if not p.is_file():
                 raise IndexCorruptError(f"missing index file {p}")
             want = (expected or {}).get(p.name)
-            if want:
-                size = p.stat().st_size
-                if size != want["bytes"]:
-                    raise IndexCorruptError(
-                        f"index file {p} is {size} bytes, the build recorded {want['bytes']} (truncated?)")
-                if file_sha256(p) != want["sha256"]:
-                    raise IndexCorruptError(f"index file {p} fails its sha256 check (corrupted)")
+            problem = recorded_file_problem(p, want) if want else None
+            if problem:
+                raise IndexCorruptError(f"index file {p} {problem}")
         try:
             index = faiss.read_index(str(index_path))
         except Exception as exc:

@@ -262,7 +262,7 @@ class CollectionStore:
         """Every shard's document store is there and every file the build recorded has its size
         and sha256: a build damaged after its audit is refused at publish, not found by each
         server that follows the alias (and by the next start, which would fail)."""
-        from server.backends.dense import file_sha256
+        from server.backends.dense import recorded_file_problem
 
         desc = self.descriptor(name, build_id)
         build_dir = self.build_dir(name, build_id)
@@ -279,15 +279,9 @@ class CollectionStore:
                     if "bytes" not in want:
                         todo.append((path, want))
                         continue
-                    size = path.stat().st_size if path.is_file() else None
-                    if size != want["bytes"]:
-                        raise FailedPrecondition(
-                            f"build {build_id}: {path} is "
-                            + ("missing" if size is None else f"{size} bytes")
-                            + f", the build recorded {want['bytes']}; not published")
-                    if file_sha256(path) != want["sha256"]:
-                        raise FailedPrecondition(f"build {build_id}: {path} fails its sha256 "
-                                                 "check (corrupted); not published")
+                    problem = recorded_file_problem(path, want)  # as a server's load checks it
+                    if problem:
+                        raise FailedPrecondition(f"build {build_id}: {path} {problem}; not published")
 
     def publish(self, name: str, build_id: str, require_audit: bool = True,
                 min_recall: Optional[float] = None, verify_files: bool = True) -> dict:

@@ -184,13 +184,14 @@ class ReplicaSet:
         h.strikes = 0
         h.ejections = 0
 
-    def mark_build(self, i: int, build_id: Optional[str], also_serves: Sequence[str] = ()) -> None:
+    def mark_build(self, i: int, build_id: Optional[str], also_serves: Sequence[str] = ()) -> bool:
         """What replica i serves (from its answer or its ShardInfo): another build than the
         router's takes it out of rotation; the router's build puts it back, and so does a
         replica that flipped to a new build but still answers for the router's (`also_serves`,
-        a grace period after an alias flip)."""
+        a grace period after an alias flip). Returns whether it is in rotation now."""
         serves = build_id is None or self.build_id in (build_id, *also_serves)
         self.health[i].other_build = None if serves else build_id
+        return serves
 
     def out_of_rotation(self) -> list[int]:
         return [i for i, h in enumerate(self.health) if h.other_build is not None]
@@ -363,8 +364,7 @@ class ReplicaSet:
                 infos.append(ShardInfo(self.shard_no, "", "", "", "", 0, 0, 0, 0, 0,
                                        state="unreachable", address=self._name(i)))
             else:
-                self.mark_build(i, a.build_id, a.also_serves)
-                if self.build_id is not None and self.build_id not in (a.build_id, *a.also_serves):
+                if not self.mark_build(i, a.build_id, a.also_serves) and self.build_id is not None:
                     a.state = "other_build"
                 infos.append(a)
         ok = [x for x in infos if x.state not in ("unreachable", "other_build")]

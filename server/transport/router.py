@@ -98,8 +98,7 @@ def _adopt(sets: Sequence[ReplicaSet], infos: list[list], desc: ReleaseDescripto
             if info is not None:
                 # a replica that flipped to a new build still answers for the one before it for a
                 # while (`also_serves`): it stays in rotation until the router follows
-                rs.mark_build(i, info.build_id, info.also_serves)
-                if desc.build_id not in (info.build_id, *info.also_serves):
+                if not rs.mark_build(i, info.build_id, info.also_serves):
                     log.warning("shard %d replica %s serves build %s, not %s: out of rotation",
                                 rs.shard_no, info.address, info.build_id, desc.build_id)
 
@@ -120,8 +119,9 @@ async def check_write_log(core: SearchCore, infos: list[list]) -> None:
 
 async def follow_builds(core: SearchCore, collection: str, interval: float = 2.0,
                         timeout: float = 5.0) -> None:
-    """Re-read every replica's build; switch to a build once all replicas of every shard serve
-    it (a rollout finished), and keep out of rotation whatever serves another build."""
+    """Re-read every replica's build; switch to a build once every replica that answers (at
+    least one per shard) serves it (a rollout finished), and keep out of rotation whatever serves
+    another build."""
     while True:
         await asyncio.sleep(interval)
         try:
