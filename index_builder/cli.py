@@ -176,12 +176,8 @@ def cmd_build(args) -> int:
     audit_queries = np.load(args.audit_queries, allow_pickle=False) if args.audit_queries else None
     first = next(docs, None)  # a corpus that carries its vectors needs no model: look before loading one
     docs = chain([first], docs) if first is not None else iter(())
-    if first is not None and first.vector is not None and not args.model_id:
-        from index_builder.build import OWN_NEEDS_MODEL_ID
-
-        raise ValueError(OWN_NEEDS_MODEL_ID)
     embedder = None
-    if vectors is None and not args.model_id:
+    if vectors is None and not args.model_id and (first is None or first.vector is None):
         from server.backends.device import Device
         from server.backends.models import Embedder
 
