@@ -124,7 +124,8 @@ class EngineConfig:
     batching: bool = opt(True, "coalesce concurrent queries of one shard into one faiss call")
     max_batch: int = opt(64, "queries per faiss call", minimum=1)
     dispatch_timeout_ms: float = opt(1.0, "a batch closes this long after its first query when "
-                                          "the index is busy (an idle index searches at once)")
+                                          "the index is busy (an idle index, or a free device "
+                                          "thread, searches at once)")
     dense_workers: int = opt(0, "faiss calls that may run at once per shard; 0 = one per core "
                                 "beyond the first (the front end's), up to 4, for an index on "
                                 "the CPU; one for an index on a GPU")

@@ -581,9 +581,50 @@ def test_a_batch_queued_behind_a_busy_thread_leaves_out_queries_that_died_meanwh
     assert searched == [[1], [4]]
 
 
-def held_first(release: threading.Event):
+def test_an_idle_device_thread_takes_what_queued_at_the_next_loop_turn():
+    """With two device threads and one busy, queries that arrive meanwhile do not wait for the
+    dispatch timeout while the other thread idles: they go at the next loop turn, together (the
+    ones submitted in the same turn share one batch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.core.engine.scheduler import SearchScheduler
+
+    release = threading.Event()
+    run_group, Q = held_first(release)
+    batches = []
+
+    def recording(queries):
+        batches.append(list(queries))
+        return run_group(queries)
+
+    pool = ThreadPoolExecutor(2)
+
+    async def go():
+        s = SearchScheduler(recording, pool, ("unit", "0"), max_batch=64,
+                            dispatch_timeout_ms=60_000.0, workers=2, burst_workers=2)
+        first = s.submit(Q(1), None)                    # idle: runs at once, held
+        rest = [s.submit(Q(i), None) for i in (2, 3, 4)]
+        queued = s.depth()
+        try:                                           # 60 s of dispatch timeout: only the
+            got = await asyncio.wait_for(asyncio.gather(*rest), 5)  # idle thread answers in time
+        finally:
+            release.set()
+        assert await first == 1
+        await s.close()
+        return queued, got
+
+    try:
+        queued, got = asyncio.run(go())
+    finally:
+        pool.shutdown()
+    assert queued == 3                                 # not dispatched one by one as they came
+    assert got == [2, 3, 4] and batches == [[1], [2, 3, 4]]
+
+
+def held_first(release: threading.Event, other: bool = False):
     """A device function whose batch starting with query 1 waits for `release` (a busy device),
-    and a query type whose values all share one restriction (so one batch)."""
+    and a query type whose values all share one restriction (so one batch); with `other`, also
+    a query type of another restriction."""
     def run_group(queries):
         if queries[0] == 1:
             release.wait(10)
@@ -592,7 +633,28 @@ def held_first(release: threading.Event):
     class Q(int):
         restriction = ("same",)
 
-    return run_group, Q
+    class QB(int):
+        restriction = ("other",)
+
+    return (run_group, Q, QB) if other else (run_group, Q)
+
+
+def timed_scheduler(cls, run_group, pool):
+    """One device thread (two in a backlog), batches of 2, a 1 ms dispatch timeout."""
+    return cls(run_group, pool, ("unit", "0"), max_batch=2, dispatch_timeout_ms=1.0, workers=1,
+               burst_workers=2)
+
+
+def backlog_behind_a_partial_group(s, Q, QB):
+    """The state a dispatch timer is for: the only regular device thread busy (query 1 held), a
+    backlog (a full batch of [3, 4]) that allows burst batches, and ahead of it a group of one
+    query of another restriction that waits for its timer. Returns the three futures, the
+    backlog's gathered."""
+    first = s.submit(Q(1), None)                      # idle: runs at once, held
+    other = s.submit(QB(2), None)                     # a batch runs: waits (no backlog yet)
+    full = [s.submit(Q(i), None) for i in (3, 4)]     # a backlog now, queued behind it
+    assert s._running == 1 and s._timer is not None and list(s._groups) == [("other",), ("same",)]
+    return first, other, asyncio.gather(*full)
 
 
 def test_a_dispatch_timer_fires_once_on_uvloops_millisecond_clock():
@@ -605,22 +667,21 @@ def test_a_dispatch_timer_fires_once_on_uvloops_millisecond_clock():
     from server.core.engine.scheduler import SearchScheduler
 
     release = threading.Event()
-    run_group, Q = held_first(release)
-    pool = ThreadPoolExecutor(2)
+    run_group, Q, QB = held_first(release, other=True)
+    pool = ThreadPoolExecutor(3)
     fired = []
 
     async def go():
-        s = SearchScheduler(run_group, pool, ("unit", "0"), max_batch=8, dispatch_timeout_ms=1.0,
-                            workers=2)
+        s = timed_scheduler(SearchScheduler, run_group, pool)
         inner = s._fire
         s._fire = lambda when: (fired.append(when), inner(when))
-        first = s.submit(Q(1), None)           # idle: runs at once, held
-        second = await s.submit(Q(2), None)    # a slot is free: waits the dispatch timeout, goes
+        first, other, full = backlog_behind_a_partial_group(s, Q, QB)
+        got = await other, await full               # the timer lets the partial group go
         release.set()
-        return await first, second
+        return await first, got
 
     try:
-        assert uvloop.run(go()) == (1, 2)
+        assert uvloop.run(go()) == (1, (2, [3, 4]))
     finally:
         pool.shutdown()
     assert 1 <= len(fired) <= 2
@@ -635,15 +696,13 @@ def test_a_waiting_group_goes_when_its_timer_fires_whatever_the_float_rounding()
     from server.core.engine.scheduler import SearchScheduler
 
     release = threading.Event()
-    run_group, Q = held_first(release)
-    pool = ThreadPoolExecutor(2)
+    run_group, Q, QB = held_first(release, other=True)
+    pool = ThreadPoolExecutor(3)
 
     async def go():
-        s = SearchScheduler(run_group, pool, ("unit", "0"), max_batch=8, dispatch_timeout_ms=1.0,
-                            workers=2)
-        first = s.submit(Q(1), None)          # idle: runs at once, held
-        second = s.submit(Q(2), None)         # a batch runs: waits for the dispatch timeout
-        (group,) = s._groups.values()
+        s = timed_scheduler(SearchScheduler, run_group, pool)
+        first, other, full = backlog_behind_a_partial_group(s, Q, QB)
+        group = s._groups[("other",)]
         e = asyncio.get_running_loop().time() + 60  # a time the loop's clock has not reached
         while (e + 0.001) - e >= 0.001:
             e = float(np.nextafter(e, np.inf)) + 1e-7
@@ -655,10 +714,10 @@ def test_a_waiting_group_goes_when_its_timer_fires_whatever_the_float_rounding()
             assert armed == [] and not s._groups  # it went, nothing re-armed
         finally:
             release.set()
-        return await first, await second
+        return await first, await other, await full
 
     try:
-        assert asyncio.run(go()) == (1, 2)
+        assert asyncio.run(go()) == (1, 2, [3, 4])
     finally:
         pool.shutdown()
 

@@ -7,8 +7,12 @@ Search policy (`SearchScheduler`):
   group's queries only, so it is one faiss call with one selector - mixed restrictions never share
   a selector;
 - a group is ready to go when it holds `max_batch` queries, when its first query has waited
-  `dispatch_timeout_ms`, or at once when no batch of this shard is running: an idle index pays no
-  dispatch delay, and while batches run the next ones fill (continuous batching);
+  `dispatch_timeout_ms`, at once when no batch of this shard is running (an idle index pays no
+  dispatch delay), and at the next loop turn when another batch runs but a device thread is free
+  (the queries of that turn - e.g. every caller a finished batch answered - share one batch);
+  while every thread is busy the next batches fill (continuous batching). A free thread never
+  waits for a batch to fill: measured in process on 2 cores (HNSW, 117k vectors), waiting the
+  dispatch timeout cost 20-25% of the queries/s at 16 callers and ~8% at 64;
 - at most `workers` batches run at a time (one per device queue), and up to `burst_workers`
   while a full batch's worth of queries waits behind them (a backlog, e.g. a SearchBatch: every
   core searches, each with one more full batch queued behind it so no device thread waits for
@@ -63,6 +67,8 @@ class SearchScheduler:
         self._groups: OrderedDict[tuple, deque[_Pending]] = OrderedDict()
         self._running = 0
         self._timer: Optional[asyncio.TimerHandle] = None
+        self._soon: Optional[asyncio.Handle] = None
+        self._turn_over = False
         self._closing = False
         self._idle: Optional[asyncio.Event] = None
         self.batches = 0
@@ -114,9 +120,13 @@ class SearchScheduler:
             # group would re-arm 0 ms timers until the clock moved on
             due = group[0].enqueued + self.dispatch_timeout
             ready = (not self.batching or self._running == 0 or len(group) >= self.max_batch
-                     or now >= due)
+                     or now >= due or (self._turn_over and self._running < self.workers))
             if not ready:
-                self._arm(due)
+                if self._running < self.workers:  # a thread is free: go once this turn's
+                    if self._soon is None:        # arrivals have joined the group
+                        self._soon = loop.call_soon(self._next_turn)
+                else:
+                    self._arm(due)
                 break
             batch = []
             while group and len(batch) < self.max_batch:
@@ -139,6 +149,15 @@ class SearchScheduler:
         if self._timer is not None:
             self._timer.cancel()
         self._timer = loop.call_at(when, self._fire, when)
+
+    def _next_turn(self) -> None:
+        """The loop turn after a query found a device thread free: what queued meanwhile goes."""
+        self._soon = None
+        self._turn_over = True
+        try:
+            self._pump()
+        finally:
+            self._turn_over = False
 
     def _fire(self, when: float) -> None:
         self._timer = None
