@@ -231,3 +231,33 @@ def test_a_query_that_fails_unexpectedly_fails_alone_in_its_batch(hybrid_server,
     finally:
         reranker.max_length = limit
     assert stub.SearchBatch(pb.SearchBatchRequest(queries=[long]), timeout=60).results[0].code == 0
+
+
+def test_bm25_scores_are_the_same_whatever_restricts_the_search(tmp_path):
+    """Regression (outside QA): the tenant, ACL and metadata clauses scored too - every hit got
+    the tenant term's own BM25 (+1.22 for one tenant, +2.61 for another, differing with each
+    shard's tenant mix) and +1.0 per ACL or filter clause - so a score moved with the tenant and
+    the filters, and merges across shards compared unlike sums. Restrictions now only filter."""
+    from server.backends.lexical import LexicalIndex
+
+    lex = LexicalIndex.create(tmp_path / "lexical")
+    rows = []
+    for i in range(40):
+        tenant = "alpha" if i % 5 else "beta"
+        rows.append((i, f"title {i}", f"wing flutter test {i} " + "flutter " * (i % 3),
+                     tenant, {"lang": "en" if i % 2 else "de"}, ("eng",) if i % 4 else ("public",)))
+    lex.add(rows)
+    scores, found = lex.search("wing flutter", 40)
+    plain = dict(zip(found, scores))
+    assert len(plain) == 40
+    checked = 0
+    for tenant in ("alpha", "beta"):
+        for scopes in (None, ("public",), ("public", "eng")):
+            for equal in ((), (("lang", ("en",)),)):
+                s, r = lex.search("wing flutter", 40, tenant, equal, scopes)
+                for row, score in zip(r, s):
+                    assert score == pytest.approx(plain[row], rel=1e-6), (tenant, scopes, equal, row)
+                    checked += 1
+    s, r = lex.search("wing flutter", 40, "alpha", rows=[3, 6, 7])
+    assert sorted(r) == [3, 6, 7] and all(x == pytest.approx(plain[y], rel=1e-6) for x, y in zip(s, r))
+    assert checked > 100

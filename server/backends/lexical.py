@@ -244,17 +244,23 @@ class LexicalIndex:
             for field in ("text", "title"):
                 q = Q.term_query(self.schema, field, t)
                 should.append((Occur.Should, Q.boost_query(q, w) if w != 1.0 else q))
-        clauses = [(Occur.Must, Q.boolean_query(should))]
+        restrict = []
         if tenant is not None:
-            clauses.append((Occur.Must, Q.term_query(self.schema, "tenant", tenant)))
+            restrict.append(Q.term_query(self.schema, "tenant", tenant))
         if acl_scopes is not None:
-            clauses.append((Occur.Must, Q.term_set_query(self.schema, "acl", list(acl_scopes))))
+            restrict.append(Q.term_set_query(self.schema, "acl", list(acl_scopes)))
         for key, values in equal_filters:
-            clauses.append((Occur.Must, Q.term_set_query(self.schema, f"meta.{key}", list(values))))
+            restrict.append(Q.term_set_query(self.schema, f"meta.{key}", list(values)))
         if rows is not None:
             if not rows:
                 return [], []
-            clauses.append((Occur.Must, Q.term_set_query(self.schema, "row", [int(r) for r in rows])))
+            restrict.append(Q.term_set_query(self.schema, "row", [int(r) for r in rows]))
+        # restrictions filter and never score: a scoring clause would add the tenant term's own
+        # BM25 (which differs between shards with another tenant mix) and 1.0 per term set to
+        # every hit, so scores would move with the tenant and the filters, and merges across
+        # shards would compare unlike sums
+        clauses = [(Occur.Must, Q.boolean_query(should))]
+        clauses += [(Occur.Must, Q.const_score_query(r, 0.0)) for r in restrict]
         query = Q.boolean_query(clauses) if len(clauses) > 1 else clauses[0][1]
         searcher = self.index.searcher()
         result = searcher.search(query, k, count=False)
