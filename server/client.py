@@ -84,18 +84,28 @@ class SearchClient:
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout = timeout
 
-    def search(self, text: str = "", *, collection: str, top_k: int = 10, mode: str = "hybrid",
-               vector: Optional[Sequence[float]] = None, model_id: str = "",
-               timeout: Optional[float] = None, **fields) -> pb.SearchResponse:
-        """One query; raises grpc.RpcError with the server's status on failure."""
+    def search(self, text: str = "", *, collection: str, top_k: int = 10,
+               mode: Optional[str] = None, vector: Optional[Sequence[float]] = None,
+               model_id: str = "", timeout: Optional[float] = None, **fields) -> pb.SearchResponse:
+        """One query; raises grpc.RpcError with the server's status on failure. Without a
+        `mode` the server picks: hybrid for a text, dense for a vector alone."""
         return self.stub.Search(request(text, collection=collection, top_k=top_k, mode=mode,
                                         vector=vector, model_id=model_id, **fields),
-                                metadata=self.metadata, timeout=timeout or self.timeout)
+                                metadata=self.metadata, timeout=self._timeout(timeout))
+
+    def _timeout(self, timeout: Optional[float], default: Optional[float] = None) -> float:
+        if timeout is None:
+            return self.timeout if default is None else default
+        if timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        return timeout
 
     def search_batch(self, requests: Iterable[pb.SearchRequest],
                      timeout: Optional[float] = None) -> Iterator[BatchResult]:
         """Answers in the order of `requests`, sent MAX_BATCH_QUERIES per call; `timeout` is
-        each call's deadline. A call that fails as a whole raises grpc.RpcError."""
+        each call's deadline. A call that fails as a whole raises grpc.RpcError. A generator:
+        `requests` is read, and each call made, as the answers are iterated (a file of queries
+        streams through), so iterate it while the client is open - `list(...)` for all at once."""
         chunk: list[pb.SearchRequest] = []
         for req in requests:
             chunk.append(req)
@@ -107,11 +117,14 @@ class SearchClient:
 
     def _batch(self, chunk: list[pb.SearchRequest], timeout: Optional[float]) -> list[BatchResult]:
         try:
-            resp = self.stub.SearchBatch(pb.SearchBatchRequest(queries=chunk), metadata=self.metadata,
-                                         timeout=timeout or max(self.timeout, 0.05 * len(chunk)))
+            resp = self.stub.SearchBatch(
+                pb.SearchBatchRequest(queries=chunk), metadata=self.metadata,
+                timeout=self._timeout(timeout, max(self.timeout, 0.05 * len(chunk))))
         except grpc.RpcError as err:
-            # an answer over the message limit: the same queries in two calls
-            if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or len(chunk) == 1:
+            # an answer over the message limit: the same queries in two calls. Only that: a
+            # server that refuses for load (RESOURCE_EXHAUSTED too) asks for a retry with
+            # backoff, and twice the calls at once would be the opposite
+            if not _over_message_limit(err) or len(chunk) == 1:
                 raise
             half = len(chunk) // 2
             return self._batch(chunk[:half], timeout) + self._batch(chunk[half:], timeout)
@@ -128,13 +141,22 @@ class SearchClient:
         self.close()
 
 
-def request(text: str = "", *, collection: str, top_k: int = 10, mode: str = "hybrid",
+def _over_message_limit(err: grpc.RpcError) -> bool:
+    """gRPC's own refusal of a message over the size limit ("Received/Sent message larger than
+    max"), not a server's admission control."""
+    return (err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "larger than max" in (err.details() or ""))
+
+
+def request(text: str = "", *, collection: str, top_k: int = 10, mode: Optional[str] = None,
             vector: Optional[Sequence[float]] = None, model_id: str = "", **fields) -> pb.SearchRequest:
-    """A SearchRequest from plain values (`mode` by name; `vector` with the model id it came from)."""
-    if mode not in MODES:
+    """A SearchRequest from plain values (`mode` by name, or None for the server's choice: hybrid
+    for a text, dense for a vector alone; `vector` with the model id it came from)."""
+    if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
     qv = None if vector is None else pb.QueryVector(values=[float(x) for x in vector], model_id=model_id)
-    return pb.SearchRequest(collection=collection, text=text, top_k=top_k, mode=MODES[mode],
+    return pb.SearchRequest(collection=collection, text=text, top_k=top_k,
+                            mode=pb.SEARCH_MODE_UNSPECIFIED if mode is None else MODES[mode],
                             vector=qv, **fields)
 
 

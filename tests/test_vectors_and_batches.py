@@ -302,6 +302,57 @@ def test_a_batch_whose_answer_is_over_the_message_limit_is_split_not_failed(vec_
         [[h.chunk_id for h in r.response.hits] for r in whole]
 
 
+def test_a_batch_refused_for_load_is_not_split_into_more_calls():
+    """Regression (outside QA): the client split a batch in halves on any RESOURCE_EXHAUSTED, so
+    a server refusing for load ("retry with backoff") got 73 calls at once for 10 batches of
+    64. Only gRPC's own message-size refusal splits; a refusal for load reaches the caller after
+    one call. (The peer is a real gRPC server that answers every SearchBatch as an overloaded
+    search server does.)"""
+    from concurrent import futures
+
+    from server.client import SearchClient, request
+
+    calls = []
+
+    class Overloaded(pb_grpc.SearchServiceServicer):
+        def SearchBatch(self, req, context):
+            calls.append(len(req.queries))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          "1 requests in flight (limit 1); retry with backoff")
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_SearchServiceServicer_to_server(Overloaded(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        reqs = [request(collection="vec", vector=[1.0] * DIM, model_id=MODEL) for _ in range(64)]
+        with SearchClient(f"127.0.0.1:{port}") as client:
+            with pytest.raises(grpc.RpcError) as err:
+                list(client.search_batch(reqs, timeout=10))
+            with pytest.raises(ValueError, match="positive"):
+                client.search("x", collection="vec", timeout=0)
+    finally:
+        server.stop(None)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "backoff" in err.value.details()
+    assert calls == [64]
+
+
+def test_the_client_leaves_the_mode_to_the_server_unless_told(vec_server, vector_collection):
+    """Regression (outside QA): the client sent HYBRID unless told otherwise, so the documented
+    vector-only query (`search(vector=..., model_id=...)`) failed with "mode hybrid needs a
+    non-empty query text"; unset, the server picks (dense for a vector alone)."""
+    from server.client import SearchClient, request
+
+    srv, _ = vec_server
+    q = vector_collection[3][0]
+    assert request(collection="vec").mode == pb.SEARCH_MODE_UNSPECIFIED
+    with SearchClient(srv.address) as client:
+        plain = client.search(collection="vec", vector=q, model_id=MODEL, top_k=5)
+        dense = client.search(collection="vec", vector=q, model_id=MODEL, top_k=5, mode="dense")
+    assert [h.chunk_id for h in plain.hits] == [h.chunk_id for h in dense.hits] and len(plain.hits) == 5
+    assert plain.hits[0].score_kind == pb.COSINE_SIMILARITY
+
+
 def test_search_client_answers_a_file_of_queries(server, tmp_path):
     """`search-client --queries FILE` (plain lines and BEIR-style JSONL) writes one JSON line per
     query in order; a query the server refuses is reported in its line and the exit code is 1."""
