@@ -374,3 +374,31 @@ def test_compaction_drops_tombstones_and_keeps_every_answer(two_builds, tiny_emb
             assert stale.outcome == pb.WriteResponse.NOOP_STALE_VERSION
     finally:
         srv.stop()
+
+
+def test_a_corpus_with_fewer_documents_than_shards_is_audited_published_and_served(tmp_path,
+                                                                                   tiny_embedder):
+    """Regression (outside QA): 3 documents in 5 shards built, then the audit crashed on the
+    empty shards (faiss asserts k > 0), so the collection could never be published. Empty
+    shards now add no hit to the audit, and the served collection answers from the others."""
+    from index_builder.corpus import Document
+
+    from conftest import publish_build
+
+    docs = [Document(f"d{i}", f"note {i} on {w} turbulence", title=w)
+            for i, w in enumerate(("wing", "nozzle", "flutter"))]
+    desc = publish_build(tmp_path, "tiny", docs, tiny_embedder, shards=5)
+    assert desc.shards == 5
+    srv = start_core_server(tmp_path, tiny_embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            for mode in (pb.DENSE, pb.LEXICAL, pb.HYBRID):
+                r = stub.Search(pb.SearchRequest(collection="tiny", text="nozzle turbulence",
+                                                 top_k=10, mode=mode), timeout=30)
+                assert not r.partial and r.hits, mode
+                if mode != pb.LEXICAL:
+                    assert sorted(h.doc_id for h in r.hits) == ["d0", "d1", "d2"], mode
+                assert r.hits[0].doc_id == "d1" or mode == pb.DENSE
+    finally:
+        srv.stop()

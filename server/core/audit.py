@@ -57,6 +57,8 @@ class _RecallProbe:
         self.shards, self.queries, self.k = shards, queries, k
         ex_s, ex_i = [], []
         for dense, vecs in shards:
+            if not len(vecs):  # a shard left empty (fewer documents than shards) adds no hit
+                continue
             flat = faiss.IndexFlatIP(dim) if metric == "ip" else faiss.IndexFlatL2(dim)
             flat.add(np.ascontiguousarray(vecs, dtype=np.float32))
             s, r = flat.search(queries, min(k, flat.ntotal))
