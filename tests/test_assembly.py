@@ -45,3 +45,15 @@ def test_token_budget_with_no_candidates_returns_nothing():
         return [1 for _ in texts]
 
     assert assemble([], top_k=5, tenant="default", token_budget=10, count_tokens=count) == ([], [], 0)
+
+
+def test_a_duplicate_names_a_passage_the_answer_holds_never_a_dropped_one():
+    """Regression (outside QA): a passage dropped for the token budget was still remembered, so
+    its later duplicate was dropped as "duplicate_of" a chunk the answer does not hold; it is
+    now judged on its own (here: over the budget too)."""
+    hits = [hit(1, "a b c d e f g"), hit(2, "a b c d e f g"), hit(3, "x y"), hit(4, "x  y")]
+    selected, dropped, used = assemble(hits, top_k=10, tenant="default", token_budget=4,
+                                       count_tokens=words)
+    assert [h.candidate.chunk_id for h in selected] == [3] and used == 2
+    assert [(h.candidate.chunk_id, r) for h, r in dropped] == [
+        (1, "over_token_budget:7>4"), (2, "over_token_budget:7>4"), (4, "duplicate_of:3")]

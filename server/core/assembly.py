@@ -43,17 +43,19 @@ class ContextAssembler:
         if self.readable.isdisjoint(rec.acl):
             self.dropped.append((hit, "acl_mismatch"))
             return False
+        key = None
         if self.dedupe:
             key = rec.text_hash or chunk_fingerprint(rec.title, rec.text)
             if key in self._seen:
                 self.dropped.append((hit, f"duplicate_of:{self._seen[key]}"))
                 return False
-            self._seen[key] = rec.chunk_id
         if self.token_budget > 0:
             if self.used + cost > self.token_budget:
                 self.dropped.append((hit, f"over_token_budget:{cost}>{self.token_budget - self.used}"))
                 return False
             self.used += cost
+        if key is not None:  # a duplicate names a passage the answer holds, never a dropped one
+            self._seen[key] = rec.chunk_id
         self.selected.append(hit)
         return True
 
