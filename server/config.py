@@ -98,6 +98,11 @@ class PipelineConfig:
     default_depth: int = opt(100, "candidates per retriever when a request names none", minimum=1)
     default_rrf_k: int = opt(60, "reciprocal rank fusion constant when a request names none", minimum=1)
     dedupe: bool = opt(True, "drop passages whose text repeats one already in the context")
+    collection_term_stats: bool = opt(True, "score BM25 with the whole collection's term "
+                                            "statistics (one more round to every shard before a "
+                                            "lexical or hybrid search of a collection of several "
+                                            "shards), so rankings do not depend on how documents "
+                                            "fall into shards; off = each shard's own")
     batch_chunk: int = opt(128, "a batch of queries (SearchBatch) runs as concurrent chunks of "
                                 "this many, so assembling one chunk's answers overlaps the "
                                 "search of the next; each chunk reaches a shard as one message "

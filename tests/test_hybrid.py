@@ -261,3 +261,61 @@ def test_bm25_scores_are_the_same_whatever_restricts_the_search(tmp_path):
     s, r = lex.search("wing flutter", 40, "alpha", rows=[3, 6, 7])
     assert sorted(r) == [3, 6, 7] and all(x == pytest.approx(plain[y], rel=1e-6) for x, y in zip(s, r))
     assert checked > 100
+
+
+def test_bm25_ranks_alike_whatever_the_shard_count(tmp_path, tiny_embedder):
+    """Regression (outside QA): each shard scored BM25 with its own document frequencies, so a
+    lexical ranking changed with the shard count (9 of 225 Cranfield top-10 lists agreed
+    between 1 and 3 shards). A statistics round now gives every shard the collection's: with
+    every field of one length (the field-length part of BM25 stays a shard's own), 1 and 3
+    shards score every hit alike. Turned off, they differ - which shows the test can fail. The
+    statistics also cross the shard port's protobuf codec unchanged."""
+    import random
+
+    from index_builder.corpus import Document
+    from server.core.types import ShardQuery, ShardResult, TermStats
+    from server.transport import codec
+
+    rnd = random.Random(7)
+    vocab = [f"zq{i:02d}" for i in range(30)]
+    weights = [1.0 / (i + 1) for i in range(30)]  # a skewed vocabulary: idf matters
+    docs = [Document(f"d{i}", " ".join(rnd.choices(vocab, weights, k=8)), title=f"tt{i % 7} tu{i % 5}")
+            for i in range(90)]
+    publish_build(tmp_path, "one", docs, tiny_embedder, shards=1)
+    publish_build(tmp_path, "three", docs, tiny_embedder, shards=3)
+    queries = ["zq03 zq11 zq20", "zq00 zq25", "zq07 tt3", "zq14 zq14 zq29 tu2", "zq01 zq02 zq05"]
+
+    def answers(**pipeline):
+        srv = start_core_server(tmp_path, tiny_embedder, pipeline=pipeline)
+        try:
+            with grpc.insecure_channel(srv.address) as ch:
+                stub = pb_grpc.SearchServiceStub(ch)
+                out = {}
+                for coll in ("one", "three"):
+                    for q in queries:
+                        r = stub.Search(pb.SearchRequest(collection=coll, text=q, top_k=100,
+                                                         mode=pb.LEXICAL), timeout=30)
+                        # equal scores may differ in the last float bit between layouts (the
+                        # idf is scaled, not set): compare rounded, ties in id order
+                        out[coll, q] = sorted(((round(h.score, 4), h.doc_id) for h in r.hits),
+                                              key=lambda x: (-x[0], x[1]))
+                return out
+        finally:
+            srv.stop()
+
+    shared = answers()
+    for q in queries:
+        assert len(shared["one", q]) >= 20
+        assert shared["three", q] == shared["one", q], q
+    own = answers(collection_term_stats=False)
+    assert any(own["three", q] != own["one", q] for q in queries)
+    assert all(own["one", q] == shared["one", q] for q in queries)  # one shard: nothing to do
+
+    stats = TermStats(90, (("zq03", 40, 0), ("tt3", 0, 13))) + TermStats(10, (("zq03", 2, 1),))
+    assert stats == TermStats(100, (("zq03", 42, 1), ("tt3", 0, 13)))
+    q = ShardQuery("b", "default", None, "m", "zq03", 0, 0, stats_only=True, term_stats=stats)
+    back = codec.shard_query_from_pb(codec.shard_query_to_pb(q))
+    assert back.stats_only and back.term_stats == stats
+    res = codec.shard_result_from_pb(codec.shard_result_to_pb(ShardResult(0, "v", [], [], term_stats=stats)))
+    assert res.term_stats == stats
+    assert codec.shard_result_from_pb(codec.shard_result_to_pb(ShardResult(0, "v", [], []))).term_stats is None

@@ -25,6 +25,7 @@ from typing import Iterable, Optional, Sequence
 
 import tantivy
 
+from server.core.types import TermStats
 from server.errors import IndexCorruptError
 
 ANALYZER_NAME = "en_bm25"
@@ -58,6 +59,11 @@ def analyze(text: str) -> list[str]:
     return analyzer.analyze(normalize(text))
 
 
+def bm25_idf(doc_freq: int, docs: int) -> float:
+    """BM25's idf as tantivy computes it: ln(1 + (N - n + 0.5) / (n + 0.5))."""
+    return math.log(1.0 + (docs - doc_freq + 0.5) / (doc_freq + 0.5))
+
+
 def make_schema() -> "tantivy.Schema":
     sb = tantivy.SchemaBuilder()
     sb.add_unsigned_field("row", stored=True, indexed=True, fast=True)
@@ -79,6 +85,10 @@ class LexicalIndex:
         # a build made by analyzer v1 indexed text as given: its queries and new writes are not
         # normalised either, so old and new text of one index are analysed alike
         self.normalize = True
+        # the searcher and its document count move together, on reload (see _snapshot)
+        self._snap_lock = threading.Lock()
+        self._generation = 0
+        self._docs: Optional[int] = None
 
     def _text(self, text: str) -> str:
         return normalize(text) if self.normalize else text
@@ -139,7 +149,7 @@ class LexicalIndex:
         if own:
             writer.commit()
             writer.wait_merging_threads()
-            self.index.reload()
+            self._reload()
         return n
 
     def writer(self):
@@ -154,7 +164,7 @@ class LexicalIndex:
         w = self.writer()
         self.add(rows, writer=w)
         w.commit()
-        self.index.reload()
+        self._reload()
 
     def delete_rows(self, rows: Sequence[int]) -> None:
         """Delete the chunks of these rows and commit.
@@ -170,7 +180,7 @@ class LexicalIndex:
             block = [int(r) for r in rows[start:start + self.DELETE_BATCH]]
             w.delete_documents_by_query(tantivy.Query.term_set_query(self.schema, "row", block))
         w.commit()
-        self.index.reload()
+        self._reload()
 
     DELETE_BATCH = 4096
 
@@ -186,7 +196,34 @@ class LexicalIndex:
 
     def publish(self) -> None:
         """Searchers see everything committed so far."""
-        self.index.reload()
+        self._reload()
+
+    def _reload(self) -> None:
+        with self._snap_lock:
+            self.index.reload()
+            self._generation += 1
+            self._docs = None
+
+    def _snapshot(self) -> tuple["tantivy.Searcher", int]:
+        """The current searcher and the document count BM25 scores with on it: tantivy's N
+        counts deleted documents until a merge drops them (as its document frequencies do),
+        and every document holds exactly one tenant term, so the tenant terms' counts sum to it."""
+        with self._snap_lock:
+            searcher, generation, docs = self.index.searcher(), self._generation, self._docs
+        if docs is None:
+            docs = sum(n for _, n in searcher.terms_with_prefix("tenant", ""))
+            with self._snap_lock:
+                if self._generation == generation:
+                    self._docs = docs
+        return searcher, docs
+
+    def term_stats(self, text: str, expansion: Sequence[tuple[str, float]] = ()) -> TermStats:
+        """This index's BM25 statistics for a query's terms (and its expansion terms): the
+        documents counted and, per term, how many hold it in the text and in the title."""
+        searcher, docs = self._snapshot()
+        terms = list(self.query_terms(text)) + [t for t, _ in expansion]
+        return TermStats(docs, tuple((t, searcher.doc_freq("text", t), searcher.doc_freq("title", t))
+                                     for t in dict.fromkeys(terms)))
 
     def close(self) -> None:
         """Let background merges finish and release the directory lock."""
@@ -227,13 +264,21 @@ class LexicalIndex:
                equal_filters: Sequence[tuple[str, Sequence[str]]] = (),
                acl_scopes: Optional[Sequence[str]] = None,
                rows: Optional[Sequence[int]] = None,
-               expansion: Sequence[tuple[str, float]] = ()) -> tuple[list[float], list[int]]:
+               expansion: Sequence[tuple[str, float]] = (),
+               stats: Optional[TermStats] = None) -> tuple[list[float], list[int]]:
         """BM25 top-k (scores, rows), best first, restricted inside the query to the tenant, the
         ACL scopes (None: no ACL check), metadata equality filters and, if given, a row set.
-        `expansion`: analysed terms with boosts added to the query (lexical feedback)."""
+        `expansion`: analysed terms with boosts added to the query (lexical feedback). `stats`:
+        the whole collection's statistics for these terms (summed `term_stats` of every shard):
+        each term's weight is scaled by the collection's idf over this index's own, so every
+        shard scores on one scale and a ranking does not depend on how documents fall into
+        shards (tantivy takes no statistics from outside; the field-length part of BM25 stays
+        this index's)."""
         terms = self.query_terms(text)
         if not terms or k <= 0:
             return [], []
+        searcher, docs = self._snapshot()
+        shared = {} if stats is None else {t: (text_df, title_df) for t, text_df, title_df in stats.df}
         Q, Occur = tantivy.Query, tantivy.Occur
         should = []
         weighted = [(t, 1.0 + math.log(n)) for t, n in terms.items()]
@@ -241,9 +286,14 @@ class LexicalIndex:
         for t, w in weighted:
             # a term the query repeats weighs more, sublinearly (1 + ln n), as BM25 over the
             # query's own term frequency would; deduplicating lost it on long queries
-            for field in ("text", "title"):
+            for j, field in enumerate(("text", "title")):
+                boost = w
+                if t in shared:  # score with the collection's idf, not this shard's own
+                    df = searcher.doc_freq(field, t)
+                    if df and shared[t][j]:
+                        boost *= bm25_idf(shared[t][j], stats.docs) / bm25_idf(df, docs)
                 q = Q.term_query(self.schema, field, t)
-                should.append((Occur.Should, Q.boost_query(q, w) if w != 1.0 else q))
+                should.append((Occur.Should, Q.boost_query(q, boost) if boost != 1.0 else q))
         restrict = []
         if tenant is not None:
             restrict.append(Q.term_query(self.schema, "tenant", tenant))
@@ -262,7 +312,6 @@ class LexicalIndex:
         clauses = [(Occur.Must, Q.boolean_query(should))]
         clauses += [(Occur.Must, Q.const_score_query(r, 0.0)) for r in restrict]
         query = Q.boolean_query(clauses) if len(clauses) > 1 else clauses[0][1]
-        searcher = self.index.searcher()
         result = searcher.search(query, k, count=False)
         if not result.hits:
             return [], []

@@ -132,6 +132,8 @@ class QueryPipeline:
         for st in states:
             if st.live:
                 st.sq = self._shard_query(st, tenant, acl_scopes)
+        if await self._collection_term_stats(states, deadline):
+            t = self._lap(states, "term_stats", t)
         await self._retrieve(states, deadline)
         t = self._lap(states, "retrieve", t)
         hybrid = False
@@ -253,6 +255,44 @@ class QueryPipeline:
             return
         self._check_deadline(deadline, "retrieval")
         await gather([self._fan_out(group[0].coll, group, deadline) for group in by_coll.values()])
+
+    async def _collection_term_stats(self, states: list[_Query], deadline: Optional[float]) -> bool:
+        """BM25 on the collection's statistics, not each shard's: a shard's idf counts its own
+        documents only, so a lexical ranking would change with how documents fall into shards
+        (with 3 shards, 9 of 225 Cranfield top-10 lists equalled one shard's). A first round
+        asks every shard for its statistics of the query's terms (the shape of Elasticsearch's
+        dfs_query_then_fetch), and the search scores with their sums. Queries of one-shard
+        collections skip it. A shard that fails this round leaves its query on per-shard
+        statistics (noted); the search round decides whether that shard's failure fails it.
+        Returns whether a round ran."""
+        if not self.config.collection_term_stats:
+            return False
+        todo = [st for st in states if st.live and st.sq.text and len(st.coll.shards) > 1]
+        if not todo:
+            return False
+        self._check_deadline(deadline, "term statistics")
+        by_coll: dict[str, list[_Query]] = {}
+        for st in todo:
+            by_coll.setdefault(st.coll.name, []).append(st)
+        groups = list(by_coll.values())
+        answers = await gather([
+            self._fan_out(group[0].coll, group, deadline,
+                          [replace(st.sq, vector=None, dense_depth=0, lexical_depth=0, text_top_n=0,
+                                   stats_only=True) for st in group])
+            for group in groups])
+        for group, per_query in zip(groups, answers):
+            for st, per_shard in zip(group, per_query):
+                stats = [a.term_stats for a in per_shard
+                         if isinstance(a, ShardResult) and a.term_stats is not None]
+                if len(stats) < len(per_shard):
+                    st.notes.append("BM25 scored with each shard's own statistics: a shard did "
+                                    "not answer the statistics round")
+                    continue
+                total = stats[0]
+                for more in stats[1:]:
+                    total = total + more
+                st.sq = replace(st.sq, term_stats=total)
+        return True
 
     async def _fan_out(self, coll: LoadedCollection, group: list[_Query], deadline: Optional[float],
                        feedback: Optional[list[ShardQuery]] = None) -> list[list]:

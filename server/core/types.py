@@ -60,6 +60,24 @@ class WriteRequest:
     vector_model_id: str = ""       # the model of those vectors (must be the collection's)
 
 
+@dataclass(frozen=True)
+class TermStats:
+    """BM25 statistics of a query's analysed terms over one shard's lexical index, or summed
+    (`+`) over every shard of a collection: the documents counted and, per term, how many hold
+    it in the text and in the title."""
+
+    docs: int
+    df: tuple[tuple[str, int, int], ...] = ()   # (term, text documents, title documents)
+
+    def __add__(self, other: "TermStats") -> "TermStats":
+        summed: dict[str, list[int]] = {}
+        for t, text_df, title_df in self.df + other.df:
+            cur = summed.setdefault(t, [0, 0])
+            cur[0] += text_df
+            cur[1] += title_df
+        return TermStats(self.docs + other.docs, tuple((t, a, b) for t, (a, b) in summed.items()))
+
+
 @dataclass
 class ShardQuery:
     """What one shard is asked: already embedded, already scoped to the caller's tenant."""
@@ -79,6 +97,10 @@ class ShardQuery:
     # a router's follow-up round (feedback) asks the replica that answered the first round, so
     # one answer never mixes two replicas' versions of a document; never sent to a shard
     replica: str = ""
+    # the statistics round before a lexical search of a collection of several shards: answer
+    # with this shard's TermStats for the text's terms, search nothing
+    stats_only: bool = False
+    term_stats: Optional[TermStats] = None   # the collection's, to score BM25 with
 
     @property
     def restriction(self) -> tuple:
@@ -173,6 +195,7 @@ class ShardResult:
     applied_seq: int = 0        # the write-log position the answer reflects
     batch_size: int = 1         # queries in the batched search that answered this one
     replica: str = ""           # which replica of a replica set answered (set by the router)
+    term_stats: Optional[TermStats] = None   # the answer to a statistics round (stats_only)
 
 
 @dataclass(slots=True)

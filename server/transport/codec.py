@@ -13,8 +13,8 @@ import numpy as np
 from server.backends.docstore import ChunkRecord
 from server.core.chunking import Chunk
 from server.core.types import (Candidate, FetchRequest, Filter, SearchQuery, SearchResult,
-                               ShardInfo, ShardQuery, ShardResult, ShardWrite, WriteOutcome,
-                               WriteRequest)
+                               ShardInfo, ShardQuery, ShardResult, ShardWrite, TermStats,
+                               WriteOutcome, WriteRequest)
 from server.errors import InvalidArgument
 from server.rpc import search_pb2 as pb
 from server.rpc import shard_pb2 as spb
@@ -130,7 +130,8 @@ def shard_query_to_pb(q: ShardQuery) -> spb.ShardQuery:
         text_top_n=q.text_top_n, min_applied_seq=q.min_applied_seq,
         expansion=[spb.WeightedTerm(term=t, weight=w) for t, w in q.expansion],
         filters=[spb.ShardFilter(key=f.key, any_of=list(f.any_of), gte=f.gte or "", lte=f.lte or "")
-                 for f in q.filters])
+                 for f in q.filters],
+        stats_only=q.stats_only, term_stats=term_stats_to_pb(q.term_stats))
 
 
 def shard_query_from_pb(r: spb.ShardQuery) -> ShardQuery:
@@ -138,7 +139,19 @@ def shard_query_from_pb(r: spb.ShardQuery) -> ShardQuery:
                       r.dense_depth, r.lexical_depth,
                       tuple(Filter(f.key, tuple(f.any_of), f.gte or None, f.lte or None)
                             for f in r.filters), tuple(r.acl_scopes), r.text_top_n, r.min_applied_seq,
-                      tuple((e.term, e.weight) for e in r.expansion))
+                      tuple((e.term, e.weight) for e in r.expansion), stats_only=r.stats_only,
+                      term_stats=term_stats_from_pb(r.term_stats) if r.HasField("term_stats") else None)
+
+
+def term_stats_to_pb(stats: Optional[TermStats]) -> Optional[spb.TermStats]:
+    if stats is None:
+        return None
+    return spb.TermStats(docs=stats.docs, terms=[spb.TermDocs(term=t, text_docs=a, title_docs=b)
+                                                 for t, a, b in stats.df])
+
+
+def term_stats_from_pb(p: spb.TermStats) -> TermStats:
+    return TermStats(p.docs, tuple((t.term, t.text_docs, t.title_docs) for t in p.terms))
 
 
 def hit_to_pb(c: Candidate, with_text: bool = True) -> spb.ShardHit:
@@ -173,13 +186,15 @@ def shard_result_to_pb(res: ShardResult, text_top_n: int = 0) -> spb.ShardQueryR
                                 corpus_version=res.corpus_version, shard=res.shard,
                                 dense_ms=res.dense_ms, lexical_ms=res.lexical_ms,
                                 index_version=res.index_version, applied_seq=res.applied_seq,
-                                batch_size=res.batch_size)
+                                batch_size=res.batch_size,
+                                term_stats=term_stats_to_pb(res.term_stats))
 
 
 def shard_result_from_pb(p: spb.ShardQueryResult) -> ShardResult:
     return ShardResult(p.shard, p.corpus_version, [hit_from_pb(h, p.shard) for h in p.dense],
                        [hit_from_pb(h, p.shard) for h in p.lexical], p.dense_ms, p.lexical_ms,
-                       p.index_version, p.applied_seq, p.batch_size)
+                       p.index_version, p.applied_seq, p.batch_size,
+                       term_stats=term_stats_from_pb(p.term_stats) if p.HasField("term_stats") else None)
 
 
 def fetch_to_pb(req: FetchRequest) -> spb.FetchChunksRequest:

@@ -382,7 +382,9 @@ class ShardIndex:
                     dense[i] = f[:queries[i].dense_depth]
                 dense_ms = (time.perf_counter() - t0) * 1e3
             lexical: list[list] = [[] for _ in range(n)]
-            with_text = [i for i, q in enumerate(queries) if q.text]
+            term_stats = [self.lexical.term_stats(q.text, q.expansion) if q.stats_only else None
+                          for q in queries]
+            with_text = [i for i, q in enumerate(queries) if q.text and not q.stats_only]
             if with_text:
                 t0 = time.perf_counter()
                 ranged = any(f.is_range for f in filters)
@@ -394,7 +396,7 @@ class ShardIndex:
                 def bm25(i):
                     q = queries[i]
                     s, r = self.lexical.search(q.text, q.lexical_depth, q.tenant, equal, scopes, rows,
-                                               q.expansion)
+                                               q.expansion, q.term_stats)
                     # equal scores in chunk-id order, not in the order of segments (which differ
                     # between replicas that applied the same writes in other groups)
                     return sorted(zip(r, s), key=lambda h: (-h[1], int(row_ids[h[0]])))
@@ -414,13 +416,13 @@ class ShardIndex:
             text_hash = self.text_hash
             row_ids = self.dense.row_ids
         out = []
-        for q, d, l in zip(queries, dense, lexical):
+        for q, d, l, stats in zip(queries, dense, lexical, term_stats):
             top = q.text_top_n or None
             out.append(ShardResult(
                 self.shard_no, self.desc.corpus_version,
                 self._candidates(d, top, records, q.tenant, scopes, allowed, live, text_hash, row_ids),
                 self._candidates(l, top, records, q.tenant, scopes, allowed, live, text_hash, row_ids),
-                dense_ms, lexical_ms, index_version, applied, n))
+                dense_ms, lexical_ms, index_version, applied, n, term_stats=stats))
         return out
 
     def _candidates(self, pairs, top, records, tenant, scopes, allowed, live, text_hash, row_ids):

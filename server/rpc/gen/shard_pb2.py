@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aserver/rpc/gen/shard.proto\x12\x15searchserver.shard.v1\"n\n\x12\x46\x65tchChunksRequest\x12\x10\n\x08\x62uild_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nacl_scopes\x18\x03 \x03(\t\x12\x0c\n\x04rows\x18\x04 \x03(\x04\x12\x14\n\x0cwith_vectors\x18\x05 \x01(\x08\"F\n\x13\x46\x65tchChunksResponse\x12/\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x1f.searchserver.shard.v1.ShardHit\"D\n\x0bShardFilter\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x61ny_of\x18\x02 \x03(\t\x12\x0b\n\x03gte\x18\x03 \x01(\t\x12\x0b\n\x03lte\x18\x04 \x01(\t\"\xb8\x02\n\nShardQuery\x12\x10\n\x08\x62uild_id\x18\x02 \x01(\t\x12\x0e\n\x06vector\x18\x03 \x01(\x0c\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65nse_depth\x18\x06 \x01(\r\x12\x15\n\rlexical_depth\x18\x07 \x01(\r\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x33\n\x07\x66ilters\x18\t \x03(\x0b\x32\".searchserver.shard.v1.ShardFilter\x12\x12\n\nacl_scopes\x18\n \x03(\t\x12\x12\n\ntext_top_n\x18\x0b \x01(\r\x12\x17\n\x0fmin_applied_seq\x18\x0c \x01(\x04\x12\x36\n\texpansion\x18\r \x03(\x0b\x32#.searchserver.shard.v1.WeightedTerm\",\n\x0cWeightedTerm\x12\x0c\n\x04term\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x02\"H\n\x12ShardSearchRequest\x12\x32\n\x07queries\x18\x01 \x03(\x0b\x32!.searchserver.shard.v1.ShardQuery\"\xe8\x02\n\x08ShardHit\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x04\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x0e\n\x06\x64oc_id\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05title\x18\x05 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x06 \x01(\r\x12\x14\n\x0cstart_offset\x18\x07 \x01(\r\x12\x12\n\nend_offset\x18\x08 \x01(\r\x12?\n\x08metadata\x18\t \x03(\x0b\x32-.searchserver.shard.v1.ShardHit.MetadataEntry\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x0b\n\x03\x61\x63l\x18\x0b \x03(\t\x12\x10\n\x08has_text\x18\x0c \x01(\x08\x12\x0b\n\x03row\x18\r \x01(\x04\x12\x11\n\ttext_hash\x18\x0e \x01(\x04\x12\x0e\n\x06vector\x18\x0f \x01(\x0c\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa0\x02\n\x10ShardQueryResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12.\n\x05\x64\x65nse\x18\x03 \x03(\x0b\x32\x1f.searchserver.shard.v1.ShardHit\x12\x30\n\x07lexical\x18\x04 \x03(\x0b\x32\x1f.searchserver.shard.v1.ShardHit\x12\x16\n\x0e\x63orpus_version\x18\x05 \x01(\t\x12\r\n\x05shard\x18\x06 \x01(\r\x12\x10\n\x08\x64\x65nse_ms\x18\x07 \x01(\x01\x12\x12\n\nlexical_ms\x18\x08 \x01(\x01\x12\x15\n\rindex_version\x18\t \x01(\x04\x12\x13\n\x0b\x61pplied_seq\x18\n \x01(\x04\x12\x12\n\nbatch_size\x18\x0b \x01(\r\"O\n\x13ShardSearchResponse\x12\x38\n\x07results\x18\x01 \x03(\x0b\x32\'.searchserver.shard.v1.ShardQueryResult\"E\n\nShardChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\"\xe0\x01\n\nShardWrite\x12\n\n\x02op\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06\x64oc_id\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x11\n\tbody_json\x18\x05 \x01(\t\x12\x31\n\x06\x63hunks\x18\x06 \x03(\x0b\x32!.searchserver.shard.v1.ShardChunk\x12\x0f\n\x07vectors\x18\x07 \x01(\x0c\x12\x0b\n\x03\x64im\x18\x08 \x01(\r\x12\x0b\n\x03seq\x18\t \x01(\x04\x12\x12\n\ncollection\x18\n \x01(\t\x12\x10\n\x08model_id\x18\x0b \x01(\t\"Y\n\x12\x41pplyWritesRequest\x12\x10\n\x08\x62uild_id\x18\x01 \x01(\t\x12\x31\n\x06writes\x18\x02 \x03(\x0b\x32!.searchserver.shard.v1.ShardWrite\"[\n\x0cWriteOutcome\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\x16\n\x0estored_version\x18\x02 \x01(\x04\x12\x15\n\rindex_version\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"L\n\x13\x41pplyWritesResponse\x12\x35\n\x08outcomes\x18\x01 \x03(\x0b\x32#.searchserver.shard.v1.WriteOutcome\"2\n\x10ShardInfoRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x08\"\xbd\x02\n\x11ShardInfoResponse\x12\x12\n\ncollection\x18\x01 \x01(\t\x12\x10\n\x08\x62uild_id\x18\x02 \x01(\t\x12\r\n\x05shard\x18\x03 \x01(\r\x12\x16\n\x0e\x63orpus_version\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x06 \x01(\x04\x12\x17\n\x0f\x64\x65scriptor_json\x18\x07 \x01(\t\x12\x15\n\rindex_version\x18\x08 \x01(\x04\x12\x13\n\x0b\x61pplied_seq\x18\t \x01(\x04\x12\x11\n\tdocuments\x18\n \x01(\x04\x12\x0f\n\x07vectors\x18\x0b \x01(\x04\x12\x13\n\x0blive_digest\x18\x0c \x01(\t\x12\r\n\x05state\x18\r \x01(\t\x12\x17\n\x0ftombstone_ratio\x18\x0e \x01(\x01\x12\x13\n\x0b\x61lso_serves\x18\x0f \x03(\t2\xa0\x03\n\x0cShardService\x12\x64\n\x0bSearchShard\x12).searchserver.shard.v1.ShardSearchRequest\x1a*.searchserver.shard.v1.ShardSearchResponse\x12^\n\tShardInfo\x12\'.searchserver.shard.v1.ShardInfoRequest\x1a(.searchserver.shard.v1.ShardInfoResponse\x12\x64\n\x0b\x46\x65tchChunks\x12).searchserver.shard.v1.FetchChunksRequest\x1a*.searchserver.shard.v1.FetchChunksResponse\x12\x64\n\x0b\x41pplyWrites\x12).searchserver.shard.v1.ApplyWritesRequest\x1a*.searchserver.shard.v1.ApplyWritesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aserver/rpc/gen/shard.proto\x12\x15searchserver.shard.v1\"n\n\x12\x46\x65tchChunksRequest\x12\x10\n\x08\x62uild_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nacl_scopes\x18\x03 \x03(\t\x12\x0c\n\x04rows\x18\x04 \x03(\x04\x12\x14\n\x0cwith_vectors\x18\x05 \x01(\x08\"F\n\x13\x46\x65tchChunksResponse\x12/\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x1f.searchserver.shard.v1.ShardHit\"D\n\x0bShardFilter\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x61ny_of\x18\x02 \x03(\t\x12\x0b\n\x03gte\x18\x03 \x01(\t\x12\x0b\n\x03lte\x18\x04 \x01(\t\"\x82\x03\n\nShardQuery\x12\x10\n\x08\x62uild_id\x18\x02 \x01(\t\x12\x0e\n\x06vector\x18\x03 \x01(\x0c\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65nse_depth\x18\x06 \x01(\r\x12\x15\n\rlexical_depth\x18\x07 \x01(\r\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x33\n\x07\x66ilters\x18\t \x03(\x0b\x32\".searchserver.shard.v1.ShardFilter\x12\x12\n\nacl_scopes\x18\n \x03(\t\x12\x12\n\ntext_top_n\x18\x0b \x01(\r\x12\x17\n\x0fmin_applied_seq\x18\x0c \x01(\x04\x12\x36\n\texpansion\x18\r \x03(\x0b\x32#.searchserver.shard.v1.WeightedTerm\x12\x12\n\nstats_only\x18\x0e \x01(\x08\x12\x34\n\nterm_stats\x18\x0f \x01(\x0b\x32 .searchserver.shard.v1.TermStats\"I\n\tTermStats\x12\x0c\n\x04\x64ocs\x18\x01 \x01(\x04\x12.\n\x05terms\x18\x02 \x03(\x0b\x32\x1f.searchserver.shard.v1.TermDocs\"?\n\x08TermDocs\x12\x0c\n\x04term\x18\x01 \x01(\t\x12\x11\n\ttext_docs\x18\x02 \x01(\x04\x12\x12\n\ntitle_docs\x18\x03 \x01(\x04\",\n\x0cWeightedTerm\x12\x0c\n\x04term\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x02\"H\n\x12ShardSearchRequest\x12\x32\n\x07queries\x18\x01 \x03(\x0b\x32!.searchserver.shard.v1.ShardQuery\"\xe8\x02\n\x08ShardHit\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x04\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x0e\n\x06\x64oc_id\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05title\x18\x05 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x06 \x01(\r\x12\x14\n\x0cstart_offset\x18\x07 \x01(\r\x12\x12\n\nend_offset\x18\x08 \x01(\r\x12?\n\x08metadata\x18\t \x03(\x0b\x32-.searchserver.shard.v1.ShardHit.MetadataEntry\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x0b\n\x03\x61\x63l\x18\x0b \x03(\t\x12\x10\n\x08has_text\x18\x0c \x01(\x08\x12\x0b\n\x03row\x18\r \x01(\x04\x12\x11\n\ttext_hash\x18\x0e \x01(\x04\x12\x0e\n\x06vector\x18\x0f \x01(\x0c\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd6\x02\n\x10ShardQueryResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12.\n\x05\x64\x65nse\x18\x03 \x03(\x0b\x32\x1f.searchserver.shard.v1.ShardHit\x12\x30\n\x07lexical\x18\x04 \x03(\x0b\x32\x1f.searchserver.shard.v1.ShardHit\x12\x16\n\x0e\x63orpus_version\x18\x05 \x01(\t\x12\r\n\x05shard\x18\x06 \x01(\r\x12\x10\n\x08\x64\x65nse_ms\x18\x07 \x01(\x01\x12\x12\n\nlexical_ms\x18\x08 \x01(\x01\x12\x15\n\rindex_version\x18\t \x01(\x04\x12\x13\n\x0b\x61pplied_seq\x18\n \x01(\x04\x12\x12\n\nbatch_size\x18\x0b \x01(\r\x12\x34\n\nterm_stats\x18\x0c \x01(\x0b\x32 .searchserver.shard.v1.TermStats\"O\n\x13ShardSearchResponse\x12\x38\n\x07results\x18\x01 \x03(\x0b\x32\'.searchserver.shard.v1.ShardQueryResult\"E\n\nShardChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\"\xe0\x01\n\nShardWrite\x12\n\n\x02op\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06\x64oc_id\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x11\n\tbody_json\x18\x05 \x01(\t\x12\x31\n\x06\x63hunks\x18\x06 \x03(\x0b\x32!.searchserver.shard.v1.ShardChunk\x12\x0f\n\x07vectors\x18\x07 \x01(\x0c\x12\x0b\n\x03\x64im\x18\x08 \x01(\r\x12\x0b\n\x03seq\x18\t \x01(\x04\x12\x12\n\ncollection\x18\n \x01(\t\x12\x10\n\x08model_id\x18\x0b \x01(\t\"Y\n\x12\x41pplyWritesRequest\x12\x10\n\x08\x62uild_id\x18\x01 \x01(\t\x12\x31\n\x06writes\x18\x02 \x03(\x0b\x32!.searchserver.shard.v1.ShardWrite\"[\n\x0cWriteOutcome\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\x16\n\x0estored_version\x18\x02 \x01(\x04\x12\x15\n\rindex_version\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"L\n\x13\x41pplyWritesResponse\x12\x35\n\x08outcomes\x18\x01 \x03(\x0b\x32#.searchserver.shard.v1.WriteOutcome\"2\n\x10ShardInfoRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x08\"\xbd\x02\n\x11ShardInfoResponse\x12\x12\n\ncollection\x18\x01 \x01(\t\x12\x10\n\x08\x62uild_id\x18\x02 \x01(\t\x12\r\n\x05shard\x18\x03 \x01(\r\x12\x16\n\x0e\x63orpus_version\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x06 \x01(\x04\x12\x17\n\x0f\x64\x65scriptor_json\x18\x07 \x01(\t\x12\x15\n\rindex_version\x18\x08 \x01(\x04\x12\x13\n\x0b\x61pplied_seq\x18\t \x01(\x04\x12\x11\n\tdocuments\x18\n \x01(\x04\x12\x0f\n\x07vectors\x18\x0b \x01(\x04\x12\x13\n\x0blive_digest\x18\x0c \x01(\t\x12\r\n\x05state\x18\r \x01(\t\x12\x17\n\x0ftombstone_ratio\x18\x0e \x01(\x01\x12\x13\n\x0b\x61lso_serves\x18\x0f \x03(\t2\xa0\x03\n\x0cShardService\x12\x64\n\x0bSearchShard\x12).searchserver.shard.v1.ShardSearchRequest\x1a*.searchserver.shard.v1.ShardSearchResponse\x12^\n\tShardInfo\x12\'.searchserver.shard.v1.ShardInfoRequest\x1a(.searchserver.shard.v1.ShardInfoResponse\x12\x64\n\x0b\x46\x65tchChunks\x12).searchserver.shard.v1.FetchChunksRequest\x1a*.searchserver.shard.v1.FetchChunksResponse\x12\x64\n\x0b\x41pplyWrites\x12).searchserver.shard.v1.ApplyWritesRequest\x1a*.searchserver.shard.v1.ApplyWritesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,33 +40,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDFILTER']._serialized_start=237
   _globals['_SHARDFILTER']._serialized_end=305
   _globals['_SHARDQUERY']._serialized_start=308
-  _globals['_SHARDQUERY']._serialized_end=620
-  _globals['_WEIGHTEDTERM']._serialized_start=622
-  _globals['_WEIGHTEDTERM']._serialized_end=666
-  _globals['_SHARDSEARCHREQUEST']._serialized_start=668
-  _globals['_SHARDSEARCHREQUEST']._serialized_end=740
-  _globals['_SHARDHIT']._serialized_start=743
-  _globals['_SHARDHIT']._serialized_end=1103
-  _globals['_SHARDHIT_METADATAENTRY']._serialized_start=1056
-  _globals['_SHARDHIT_METADATAENTRY']._serialized_end=1103
-  _globals['_SHARDQUERYRESULT']._serialized_start=1106
-  _globals['_SHARDQUERYRESULT']._serialized_end=1394
-  _globals['_SHARDSEARCHRESPONSE']._serialized_start=1396
-  _globals['_SHARDSEARCHRESPONSE']._serialized_end=1475
-  _globals['_SHARDCHUNK']._serialized_start=1477
-  _globals['_SHARDCHUNK']._serialized_end=1546
-  _globals['_SHARDWRITE']._serialized_start=1549
-  _globals['_SHARDWRITE']._serialized_end=1773
-  _globals['_APPLYWRITESREQUEST']._serialized_start=1775
-  _globals['_APPLYWRITESREQUEST']._serialized_end=1864
-  _globals['_WRITEOUTCOME']._serialized_start=1866
-  _globals['_WRITEOUTCOME']._serialized_end=1957
-  _globals['_APPLYWRITESRESPONSE']._serialized_start=1959
-  _globals['_APPLYWRITESRESPONSE']._serialized_end=2035
-  _globals['_SHARDINFOREQUEST']._serialized_start=2037
-  _globals['_SHARDINFOREQUEST']._serialized_end=2087
-  _globals['_SHARDINFORESPONSE']._serialized_start=2090
-  _globals['_SHARDINFORESPONSE']._serialized_end=2407
-  _globals['_SHARDSERVICE']._serialized_start=2410
-  _globals['_SHARDSERVICE']._serialized_end=2826
+  _globals['_SHARDQUERY']._serialized_end=694
+  _globals['_TERMSTATS']._serialized_start=696
+  _globals['_TERMSTATS']._serialized_end=769
+  _globals['_TERMDOCS']._serialized_start=771
+  _globals['_TERMDOCS']._serialized_end=834
+  _globals['_WEIGHTEDTERM']._serialized_start=836
+  _globals['_WEIGHTEDTERM']._serialized_end=880
+  _globals['_SHARDSEARCHREQUEST']._serialized_start=882
+  _globals['_SHARDSEARCHREQUEST']._serialized_end=954
+  _globals['_SHARDHIT']._serialized_start=957
+  _globals['_SHARDHIT']._serialized_end=1317
+  _globals['_SHARDHIT_METADATAENTRY']._serialized_start=1270
+  _globals['_SHARDHIT_METADATAENTRY']._serialized_end=1317
+  _globals['_SHARDQUERYRESULT']._serialized_start=1320
+  _globals['_SHARDQUERYRESULT']._serialized_end=1662
+  _globals['_SHARDSEARCHRESPONSE']._serialized_start=1664
+  _globals['_SHARDSEARCHRESPONSE']._serialized_end=1743
+  _globals['_SHARDCHUNK']._serialized_start=1745
+  _globals['_SHARDCHUNK']._serialized_end=1814
+  _globals['_SHARDWRITE']._serialized_start=1817
+  _globals['_SHARDWRITE']._serialized_end=2041
+  _globals['_APPLYWRITESREQUEST']._serialized_start=2043
+  _globals['_APPLYWRITESREQUEST']._serialized_end=2132
+  _globals['_WRITEOUTCOME']._serialized_start=2134
+  _globals['_WRITEOUTCOME']._serialized_end=2225
+  _globals['_APPLYWRITESRESPONSE']._serialized_start=2227
+  _globals['_APPLYWRITESRESPONSE']._serialized_end=2303
+  _globals['_SHARDINFOREQUEST']._serialized_start=2305
+  _globals['_SHARDINFOREQUEST']._serialized_end=2355
+  _globals['_SHARDINFORESPONSE']._serialized_start=2358
+  _globals['_SHARDINFORESPONSE']._serialized_end=2675
+  _globals['_SHARDSERVICE']._serialized_start=2678
+  _globals['_SHARDSERVICE']._serialized_end=3094
 # @@protoc_insertion_point(module_scope)
