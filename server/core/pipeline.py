@@ -33,7 +33,7 @@ from server.core.encoders import Encoders
 from server.core.ranking import merge_topk, minmax_fusion, rm3_expansion, rrf
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import (Candidate, FetchRequest, RankedHit, SearchQuery, SearchResult,
-                               ShardQuery, ShardResult, TraceEntry)
+                               ShardQuery, ShardResult, TermStats, TraceEntry)
 from server.core.validation import unit_vectors, validate_query
 from server.errors import (CorpusVersionMismatch, DeadlineExceeded, FailedPrecondition,
                            Internal, InvalidArgument, SearchError, Unavailable)
@@ -124,15 +124,27 @@ class QueryPipeline:
         for st in states:
             self._prepare(st, tenant, acl_scopes)
         t = time.perf_counter()
+        # the statistics round needs only the text: it runs while the queries are embedded
+        stats_round = self._collection_term_stats(states, tenant, acl_scopes, deadline)
         to_embed = [st for st in states if st.live and st.mode != "lexical" and st.q.vector is None]
         if to_embed:
-            self._check_deadline(deadline, "embed")
-            await gather([self._embed(st, deadline) for st in to_embed])
+            if stats_round is not None:
+                stats_round = asyncio.ensure_future(stats_round)
+            try:
+                self._check_deadline(deadline, "embed")
+                await gather([self._embed(st, deadline) for st in to_embed])
+            except BaseException:
+                if stats_round is not None:
+                    stats_round.cancel()
+                raise
             t = self._lap(states, "embed", t)
+        stats = {} if stats_round is None else await stats_round
         for st in states:
             if st.live:
                 st.sq = self._shard_query(st, tenant, acl_scopes)
-        if await self._collection_term_stats(states, deadline):
+                if id(st) in stats:
+                    st.sq = replace(st.sq, term_stats=stats[id(st)])
+        if stats and not to_embed:
             t = self._lap(states, "term_stats", t)
         await self._retrieve(states, deadline)
         t = self._lap(states, "retrieve", t)
@@ -256,7 +268,8 @@ class QueryPipeline:
         self._check_deadline(deadline, "retrieval")
         await gather([self._fan_out(group[0].coll, group, deadline) for group in by_coll.values()])
 
-    async def _collection_term_stats(self, states: list[_Query], deadline: Optional[float]) -> bool:
+    def _collection_term_stats(self, states: list[_Query], tenant: str, acl_scopes: tuple,
+                               deadline: Optional[float]):
         """BM25 on the collection's statistics, not each shard's: a shard's idf counts its own
         documents only, so a lexical ranking would change with how documents fall into shards
         (with 3 shards, 9 of 225 Cranfield top-10 lists equalled one shard's). A first round
@@ -264,41 +277,50 @@ class QueryPipeline:
         dfs_query_then_fetch), and the search scores with their sums. Queries of one-shard
         collections skip it. A shard that fails this round leaves its query on per-shard
         statistics (noted); the search round decides whether that shard's failure fails it.
-        Returns whether a round ran."""
+        Returns None when no query needs a round, else the round (a coroutine) whose result
+        maps id(query state) to the collection's TermStats."""
         if not self.config.collection_term_stats:
-            return False
-        todo = [st for st in states if st.live and st.sq.text and len(st.coll.shards) > 1]
+            return None
+        todo = [st for st in states if st.live and st.mode != "dense" and st.q.text
+                and len(st.coll.shards) > 1]
         if not todo:
-            return False
-        self._check_deadline(deadline, "term statistics")
-        by_coll: dict[str, list[_Query]] = {}
-        for st in todo:
-            by_coll.setdefault(st.coll.name, []).append(st)
-        groups = list(by_coll.values())
-        answers = await gather([
-            self._fan_out(group[0].coll, group, deadline,
-                          [replace(st.sq, vector=None, dense_depth=0, lexical_depth=0, text_top_n=0,
-                                   stats_only=True) for st in group])
-            for group in groups])
-        for group, per_query in zip(groups, answers):
-            for st, per_shard in zip(group, per_query):
-                stats = [a.term_stats for a in per_shard
-                         if isinstance(a, ShardResult) and a.term_stats is not None]
-                if len(stats) < len(per_shard):
-                    st.notes.append("BM25 scored with each shard's own statistics: a shard did "
-                                    "not answer the statistics round")
-                    continue
-                total = stats[0]
-                for more in stats[1:]:
-                    total = total + more
-                st.sq = replace(st.sq, term_stats=total)
-        return True
+            return None
+
+        async def round_() -> dict[int, TermStats]:
+            self._check_deadline(deadline, "term statistics")
+            by_coll: dict[str, list[_Query]] = {}
+            for st in todo:
+                by_coll.setdefault(st.coll.name, []).append(st)
+            groups = list(by_coll.values())
+            answers = await gather([
+                self._fan_out(group[0].coll, group, deadline,
+                              [ShardQuery(st.coll.desc.build_id, tenant, None, st.coll.desc.model_id,
+                                          st.q.text, 0, 0, st.q.filters, acl_scopes, 0,
+                                          st.q.min_applied_sequence, stats_only=True)
+                               for st in group])
+                for group in groups])
+            out = {}
+            for group, per_query in zip(groups, answers):
+                for st, per_shard in zip(group, per_query):
+                    stats = [a.term_stats for a in per_shard
+                             if isinstance(a, ShardResult) and a.term_stats is not None]
+                    if len(stats) < len(per_shard):
+                        st.notes.append("BM25 scored with each shard's own statistics: a shard "
+                                        "did not answer the statistics round")
+                        continue
+                    total = stats[0]
+                    for more in stats[1:]:
+                        total = total + more
+                    out[id(st)] = total
+            return out
+
+        return round_()
 
     async def _fan_out(self, coll: LoadedCollection, group: list[_Query], deadline: Optional[float],
                        feedback: Optional[list[ShardQuery]] = None) -> list[list]:
         """Ask every shard for every query of `group`; returns [query][shard] answers (a result
-        or an error) and, unless `feedback` (a feedback round's own shard queries) is given,
-        settles each query's shard results and errors."""
+        or an error) and, unless `feedback` (another round's own shard queries: a feedback or a
+        statistics round) is given, settles each query's shard results and errors."""
         loop = asyncio.get_running_loop()
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
         if timeout is not None and any(st.q.allow_partial for st in group):

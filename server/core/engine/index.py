@@ -359,6 +359,15 @@ class ShardIndex:
             raise ModelMismatch(f"query vector is from model {q.model_id!r}; this build serves "
                                 f"{self.desc.model_id!r}")
 
+    def term_stats(self, queries: Sequence[ShardQuery]) -> list[ShardResult]:
+        """A statistics round's answers (ShardQuery.stats_only): this shard's BM25 statistics
+        for each query's terms, no search."""
+        with self._rw.read():
+            index_version, applied = self.index_version, self.applied_seq
+            stats = [self.lexical.term_stats(q.text, q.expansion) for q in queries]
+        return [ShardResult(self.shard_no, self.desc.corpus_version, [], [], 0.0, 0.0, index_version,
+                            applied, len(queries), term_stats=s) for s in stats]
+
     def search_group(self, queries: Sequence[ShardQuery], lexical_map=map) -> list[ShardResult]:
         """Answer queries that share one restriction: one faiss call for all their vectors, one
         BM25 search each (through `lexical_map`, e.g. a thread pool's map: tantivy releases the

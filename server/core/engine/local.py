@@ -130,6 +130,12 @@ class LocalShard:
     async def search(self, queries: Sequence[ShardQuery],
                      timeout: Optional[float] = None) -> list[SearchAnswer]:
         loop = asyncio.get_running_loop()
+        if queries and all(q.stats_only for q in queries):  # no index search: not the device's
+            for q in queries:
+                validate_shard_query(q, self.desc.dim)
+                self.index.check_query(q)
+            fut = loop.run_in_executor(self.pools.cpu, self.index.term_stats, queries)
+            return await (asyncio.wait_for(fut, timeout) if timeout is not None else fut)
         deadline = None if timeout is None else loop.time() + timeout
         answers: list = [None] * len(queries)
         futures = {}
