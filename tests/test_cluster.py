@@ -258,7 +258,8 @@ def test_a_hung_shard_still_leaves_time_for_a_partial_answer_and_no_search_waits
     """A shard that hangs (never answers): with allow_partial the router answers from the other
     shards before the caller's deadline (it keeps a fifth of the time, up to 200 ms, for that),
     marked partial, with no feedback round on top; without it, DEADLINE_EXCEEDED at the deadline; and a caller that sets no
-    deadline gets the server's default one (--default-deadline-s) instead of waiting for ever."""
+    deadline gets the server's default one (--default-deadline-s) instead of waiting for ever.
+    The statistics round of BM25 gives up on the hung shard within a budget of its own."""
     procs = [ShardProcess(three_shard_build, "cran3", 0), ShardProcess(three_shard_build, "cran3", 1),
              ShardProcess(three_shard_build, "cran3", 2, "--inject-hang-prob", "1.0")]
     router = start_router(tiny_embedder, "cran3", [[p.address] for p in procs],
@@ -272,6 +273,9 @@ def test_a_hung_shard_still_leaves_time_for_a_partial_answer_and_no_search_waits
             assert resp.partial and "shard 2" in resp.shard_errors[0]
             assert len(resp.hits) == 5 and all(h.shard in (0, 1) for h in resp.hits)
             assert "feedback skipped: the first round was partial" in resp.trace.notes
+            # the statistics round before the search gave up on the hung shard within its own
+            # budget (a tenth of the time, up to 250 ms): BM25 on each shard's own statistics
+            assert any(n.startswith("collection BM25 statistics skipped") for n in resp.trace.notes)
             with pytest.raises(grpc.RpcError) as err:
                 stub.Search(pb.SearchRequest(collection="cran3", text="slip flow", top_k=5),
                             timeout=timeout)

@@ -640,9 +640,10 @@ def held_first(release: threading.Event, other: bool = False):
 
 
 def timed_scheduler(cls, run_group, pool):
-    """One device thread (two in a backlog), batches of 2, a 1 ms dispatch timeout."""
-    return cls(run_group, pool, ("unit", "0"), max_batch=2, dispatch_timeout_ms=1.0, workers=1,
-               burst_workers=2)
+    """One device thread (two in a backlog), batches of 2, a 1 ms dispatch timeout - set once
+    the state below is built (a loaded host may pass a millisecond between two submits)."""
+    return cls(run_group, pool, ("unit", "0"), max_batch=2, dispatch_timeout_ms=60_000.0,
+               workers=1, burst_workers=2)
 
 
 def backlog_behind_a_partial_group(s, Q, QB):
@@ -654,6 +655,8 @@ def backlog_behind_a_partial_group(s, Q, QB):
     other = s.submit(QB(2), None)                     # a batch runs: waits (no backlog yet)
     full = [s.submit(Q(i), None) for i in (3, 4)]     # a backlog now, queued behind it
     assert s._running == 1 and s._timer is not None and list(s._groups) == [("other",), ("same",)]
+    s.dispatch_timeout = 0.001                        # the timer the group's 1 ms asks for
+    s._arm(s._groups[("other",)][0].enqueued + s.dispatch_timeout)
     return first, other, asyncio.gather(*full)
 
 
@@ -807,3 +810,36 @@ def test_a_chunk_that_fails_the_whole_batch_stops_the_other_chunks():
 
     asyncio.run(go())
     assert started == [[0, 1], [2, 3], [4]]
+
+
+def test_a_statistics_round_answers_per_query_beside_searches_and_off_the_scheduler(engine_build, rng):
+    """ShardQuery.stats_only: the shard's BM25 statistics for the query's terms and no hits; a
+    call of statistics queries alone skips the search scheduler (no faiss batch), an invalid one
+    fails in its slot only; mixed into a searched batch, each query gets its own kind of answer."""
+    from dataclasses import replace
+
+    from server.core.types import ShardResult
+    from server.errors import InvalidArgument
+
+    data, desc = engine_build
+    shard, pools = open_shard(data, desc)
+    gated = GatedGroups(shard)
+    base = query(desc, "alpha", rng.standard_normal(desc.dim))
+    stats_q = replace(base, vector=None, text="boundary layer flow", dense_depth=0, stats_only=True)
+    bad = replace(stats_q, dense_depth=-1)
+    try:
+        alone = asyncio.run(shard.search([stats_q, bad]))
+        batches_alone = len(gated.batches)
+        mixed = asyncio.run(shard.search([stats_q, replace(base, text="boundary layer flow",
+                                                           lexical_depth=5)]))
+    finally:
+        asyncio.run(shard.close())
+        pools.close()
+    assert batches_alone == 0
+    assert isinstance(alone[1], InvalidArgument)
+    st = alone[0].term_stats
+    assert isinstance(alone[0], ShardResult) and not alone[0].dense and not alone[0].lexical
+    assert st.docs >= 200 and [t for t, _, _ in st.df] == ["boundari", "layer", "flow"]  # chunks
+    assert all(text_df > 0 for _, text_df, _ in st.df)
+    assert mixed[0].term_stats == st and not mixed[0].lexical
+    assert mixed[1].term_stats is None and len(mixed[1].lexical) == 5 and len(mixed[1].dense) == 10

@@ -87,6 +87,12 @@ class _Query:
         return self.error is None and self.result is None
 
 
+# The statistics round's budget: a tenth of the time left, up to 250 ms (a round reads term
+# dictionaries, no index; a shard slower than that is left on its own statistics)
+STATS_ROUND_SHARE = 0.1
+STATS_ROUND_MAX_S = 0.25
+
+
 class QueryPipeline:
     def __init__(self, registry: CollectionRegistry, encoders: Encoders, config: PipelineConfig,
                  rerank_cap: int, cpu: Executor):
@@ -136,6 +142,8 @@ class QueryPipeline:
             except BaseException:
                 if stats_round is not None:
                     stats_round.cancel()
+                    if stats_round.done() and not stats_round.cancelled():
+                        stats_round.exception()  # read: it failed first, and nobody else will
                 raise
             t = self._lap(states, "embed", t)
         stats = {} if stats_round is None else await stats_round
@@ -288,12 +296,17 @@ class QueryPipeline:
 
         async def round_() -> dict[int, TermStats]:
             self._check_deadline(deadline, "term statistics")
+            # a round of its own budget: a shard that hangs must leave the search round its
+            # time (the search decides what that shard's failure means), not eat it here
+            loop = asyncio.get_running_loop()
+            left = STATS_ROUND_MAX_S if deadline is None else deadline - loop.time()
+            round_deadline = loop.time() + min(STATS_ROUND_MAX_S, STATS_ROUND_SHARE * left)
             by_coll: dict[str, list[_Query]] = {}
             for st in todo:
                 by_coll.setdefault(st.coll.name, []).append(st)
             groups = list(by_coll.values())
             answers = await gather([
-                self._fan_out(group[0].coll, group, deadline,
+                self._fan_out(group[0].coll, group, round_deadline,
                               [ShardQuery(st.coll.desc.build_id, tenant, None, st.coll.desc.model_id,
                                           st.q.text, 0, 0, st.q.filters, acl_scopes, 0,
                                           st.q.min_applied_sequence, stats_only=True)
@@ -304,9 +317,9 @@ class QueryPipeline:
                 for st, per_shard in zip(group, per_query):
                     stats = [a.term_stats for a in per_shard
                              if isinstance(a, ShardResult) and a.term_stats is not None]
-                    if len(stats) < len(per_shard):
-                        st.notes.append("BM25 scored with each shard's own statistics: a shard "
-                                        "did not answer the statistics round")
+                    if len(stats) < len(per_shard):  # " skipped": an answer not to cache
+                        st.notes.append("collection BM25 statistics skipped: a shard did not "
+                                        "answer the statistics round; scored with each shard's own")
                         continue
                     total = stats[0]
                     for more in stats[1:]:

@@ -176,11 +176,12 @@ class ReplicaSet:
             self.stats["ejections"] += 1
             metrics.EJECTIONS.labels(str(self.shard_no), self._name(i)).inc()
 
-    def _success(self, i: int, ms: float) -> None:
+    def _success(self, i: int, ms: Optional[float]) -> None:
         h = self.health[i]
-        now = self._clock()
-        h.ewma_ms = 0.7 * self._latency(i, now) + 0.3 * ms
-        h.sampled_at = now
+        if ms is not None:
+            now = self._clock()
+            h.ewma_ms = 0.7 * self._latency(i, now) + 0.3 * ms
+            h.sampled_at = now
         h.strikes = 0
         h.ejections = 0
 
@@ -198,7 +199,7 @@ class ReplicaSet:
 
     # --- the hedged call ---------------------------------------------------------------------
     async def _call(self, i: int, op: Callable[[object, Optional[float]], Awaitable],
-                    timeout: Optional[float]):
+                    timeout: Optional[float], timed: bool = True):
         name = self._name(i)
         self.outstanding[i] += 1
         t0 = time.perf_counter()
@@ -219,9 +220,10 @@ class ReplicaSet:
         finally:
             self.outstanding[i] -= 1
         ms = (time.perf_counter() - t0) * 1e3
-        self._success(i, ms)
-        self.latency.observe(ms)
-        metrics.labelled(metrics.SHARD_SECONDS, str(self.shard_no), name).observe(ms / 1e3)
+        self._success(i, ms if timed else None)
+        if timed:
+            self.latency.observe(ms)
+            metrics.labelled(metrics.SHARD_SECONDS, str(self.shard_no), name).observe(ms / 1e3)
         return result
 
     def _check_build(self, i: int, exc: SearchError) -> bool:
@@ -231,14 +233,17 @@ class ReplicaSet:
         self.mark_build(i, m.group(1))
         return True
 
-    async def _hedged(self, op, timeout: Optional[float], check=None, first: Optional[int] = None):
+    async def _hedged(self, op, timeout: Optional[float], check=None, first: Optional[int] = None,
+                      timed: bool = True):
         """Run `op(replica, timeout)` under the policy above, starting with replica `first` when
         given. `check(i, result)` may raise a SearchError to reject a result (e.g. answers from
-        another build)."""
+        another build). `timed=False` (a statistics round: no search) adds nothing to the hedge
+        budget and no sample to the latencies searches are hedged and routed by."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        self.stats["requests"] += 1
-        self._tokens = min(self.policy.hedge_burst, self._tokens + self.policy.hedge_budget)
+        if timed:
+            self.stats["requests"] += 1
+            self._tokens = min(self.policy.hedge_burst, self._tokens + self.policy.hedge_budget)
         tried: set[int] = set()
         running: dict[asyncio.Task, tuple[int, float]] = {}
         failures: list[str] = []
@@ -252,7 +257,7 @@ class ReplicaSet:
             if i is None:
                 return None
             tried.add(i)
-            running[asyncio.ensure_future(self._call(i, op, remaining()))] = (i, time.perf_counter())
+            running[asyncio.ensure_future(self._call(i, op, remaining(), timed))] = (i, time.perf_counter())
             return i
 
         launch(first)
@@ -336,7 +341,8 @@ class ReplicaSet:
         pinned = {q.replica for q in queries}
         name = pinned.pop() if len(pinned) == 1 else ""
         first = next((j for j in range(len(self.replicas)) if name and self._name(j) == name), None)
-        return await self._hedged(lambda r, t: r.search(queries, t), timeout, check, first=first)
+        return await self._hedged(lambda r, t: r.search(queries, t), timeout, check, first=first,
+                                  timed=not all(q.stats_only for q in queries))
 
     async def fetch(self, request: FetchRequest, timeout: Optional[float] = None) -> list[Candidate]:
         return await self._hedged(lambda r, t: r.fetch(request, t), timeout)

@@ -118,7 +118,7 @@ class LocalShard:
 
     # --- the shard interface -----------------------------------------------------------------
     def _run_group(self, queries: Sequence[ShardQuery]):
-        texts = sum(1 for q in queries if q.text)
+        texts = sum(1 for q in queries if q.text and not q.stats_only)
         lexical_map = self.pools.cpu.map if texts > 1 else map
         return self.index.search_group(queries, lexical_map)
 
@@ -130,12 +130,8 @@ class LocalShard:
     async def search(self, queries: Sequence[ShardQuery],
                      timeout: Optional[float] = None) -> list[SearchAnswer]:
         loop = asyncio.get_running_loop()
-        if queries and all(q.stats_only for q in queries):  # no index search: not the device's
-            for q in queries:
-                validate_shard_query(q, self.desc.dim)
-                self.index.check_query(q)
-            fut = loop.run_in_executor(self.pools.cpu, self.index.term_stats, queries)
-            return await (asyncio.wait_for(fut, timeout) if timeout is not None else fut)
+        if queries and all(q.stats_only for q in queries):
+            return await self._term_stats(queries, timeout)
         deadline = None if timeout is None else loop.time() + timeout
         answers: list = [None] * len(queries)
         futures = {}
@@ -164,6 +160,27 @@ class LocalShard:
                 if error is not None and not isinstance(error, SearchError):
                     raise error
                 answers[i] = f.result() if error is None else error
+        return answers
+
+    async def _term_stats(self, queries: Sequence[ShardQuery],
+                          timeout: Optional[float]) -> list[SearchAnswer]:
+        """A statistics round (ShardQuery.stats_only): term dictionaries only, no index search,
+        so on the CPU pool rather than through the device's scheduler."""
+        answers: list = [None] * len(queries)
+        ok = []
+        for i, q in enumerate(queries):
+            try:
+                validate_shard_query(q, self.desc.dim)
+                self.index.check_query(q)
+                ok.append(i)
+            except SearchError as exc:
+                answers[i] = exc
+        if ok:
+            fut = asyncio.get_running_loop().run_in_executor(
+                self.pools.cpu, self.index.term_stats, [queries[i] for i in ok])
+            for i, r in zip(ok, await (asyncio.wait_for(fut, timeout) if timeout is not None
+                                       else fut)):
+                answers[i] = r
         return answers
 
     async def wait_applied(self, seq: int, deadline: Optional[float]) -> None:

@@ -245,6 +245,8 @@ class SearchScheduler:
             await self._idle.wait()
         if self._timer is not None:
             self._timer.cancel()
+        if self._soon is not None:
+            self._soon.cancel()
 
 
 @dataclass
