@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("compact", help="ask a running server to compact a collection (drop tombstones)")
     cp.add_argument("--address", default="127.0.0.1:50051")
     cp.add_argument("--collection", required=True)
-    cp.add_argument("--token", default=None, help="bearer token with the admin role")
+    cp.add_argument("--token", default=None, help="bearer token with the operator role")
 
     cc = sub.add_parser("canary-check", help="query as every other tenant; fail if a canary sentinel appears")
     cc.add_argument("--address", default="127.0.0.1:50051")

@@ -141,6 +141,13 @@ class SearchClient:
         self.close()
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
 def _over_message_limit(err: grpc.RpcError) -> bool:
     """gRPC's own refusal of a message over the size limit ("Received/Sent message larger than
     max"), not a server's admission control."""
@@ -268,7 +275,7 @@ def main(argv=None) -> int:
     p.add_argument("--tls-cert", type=Path, help="client certificate (mutual TLS)")
     p.add_argument("--tls-key", type=Path, help="client key (mutual TLS)")
     p.add_argument("--wait", type=float, default=0, help="wait this long for the server first")
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--timeout", type=_positive_seconds, default=None,
                    help="deadline per call in seconds (default 10; with --queries, 10 or 50 ms per "
                         "query of the call, whichever is longer)")
     args = p.parse_args(argv)

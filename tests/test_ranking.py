@@ -72,7 +72,7 @@ def test_minmax_fusion_normalises_each_list_and_weights_them():
     assert fused[1] == pytest.approx(0.6)                 # best dense, absent from lexical
     assert fused[2] == pytest.approx(0.6 * 0.5 + 0.4)     # middle dense, best lexical
     assert fused[3] == pytest.approx(0.0) and fused[4] == pytest.approx(0.0)
-    # distances: lower is better, so the smallest maps to 1
-    l2 = minmax_fusion({"dense": [(7, 0.2), (8, 1.4)]}, {"dense": 1.0}, lower_is_better=("dense",))
+    # L2 arrives negated (higher is better): the nearest maps to 1
+    l2 = minmax_fusion({"dense": [(7, -0.2), (8, -1.4)]}, {"dense": 1.0})
     assert l2 == [(7, 1.0), (8, 0.0)]
     assert minmax_fusion({"dense": [(5, 3.0)], "lexical": []}, {"dense": 0.5, "lexical": 0.5}) == [(5, 0.5)]

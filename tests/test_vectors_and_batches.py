@@ -92,9 +92,17 @@ def test_text_needs_a_model_the_server_does_not_have_but_lexical_works(vec_serve
         stub.Search(pb.SearchRequest(collection="vec", text="vector document", top_k=5,
                                      mode=pb.DENSE), timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and MODEL in err.value.details()
+    assert "query vector" in err.value.details()
     hits = stub.Search(pb.SearchRequest(collection="vec", text="zyxvec7", top_k=5, mode=pb.LEXICAL),
                        timeout=10).hits
     assert [h.doc_id for h in hits] == ["v7"]
+    # a writer is told what a writer sends (outside QA: it was told to send a query vector)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpsertDocument(pb.UpsertDocumentRequest(collection="vec", doc_id="t1", version=1,
+                                                     text="text only"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "chunks with their vectors and vector_model_id" in err.value.details()
+    assert "query vector" not in err.value.details()
 
 
 def test_upserts_carry_their_own_chunk_vectors(vec_server, vector_collection):
@@ -394,6 +402,11 @@ def test_search_client_answers_a_file_of_queries(server, tmp_path):
                            str(tmp_path / "no-such-dir" / "x.jsonl")], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "cannot write" in proc.stderr and "Traceback" not in proc.stderr
+    # regression (outside QA): --timeout 0 ended in a traceback and -1 was sent as a deadline
+    for t in ("0", "-1"):
+        proc, _ = run(plain, "--timeout", t)
+        assert proc.returncode == 2 and "positive number of seconds" in proc.stderr
+        assert "Traceback" not in proc.stderr
 
 
 def test_a_plain_query_file_may_have_lines_that_start_with_a_brace(tmp_path):
@@ -534,5 +547,48 @@ def test_an_l2_collection_refuses_too_long_vectors_over_grpc_and_changes_nothing
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cap" in err.value.details()
             assert stub.Search(pb.SearchRequest(collection="lvec", text="zyxtoolong", top_k=3,
                                                 mode=pb.LEXICAL), timeout=10).hits == []
+    finally:
+        srv.stop()
+
+
+def test_an_l2_collection_fuses_and_reports_scores_higher_is_better(tmp_path):
+    """Regression (outside QA): an l2 shard negates its distances (higher is better), but min-max
+    fusion flipped the dense list of an l2 collection once more, so its farthest candidate
+    counted as the nearest; and the API said "lower is better" beside negated distances. Now
+    a document's own vector fuses to itself first, and every hit says higher is better."""
+    from index_builder.build import audit_build, build_collection
+    from index_builder.corpus import Document
+    from server.core import metrics
+    from server.core.collection import CollectionStore
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((300, 8)).astype(np.float32)
+    docs = [Document(f"e{i}", f"euclid note {i} zyxcommon") for i in range(300)]
+    store = CollectionStore(tmp_path / "data")
+    desc = build_collection(docs, store, "euc", None, "Flat", metric="l2", quiet=True, vectors=x,
+                            model_id="m@1")
+    audit_build(store, "euc", desc.build_id)
+    store.publish("euc", desc.build_id)
+    srv = start_core_server(tmp_path / "data", pipeline={"retrieval_cache_size": 0})
+    assembly = metrics.STAGE_SECONDS.labels("assembly")
+    try:
+        stub = pb_grpc.SearchServiceStub(grpc.insecure_channel(srv.address))
+        for i in (3, 77, 150):
+            v = pb.QueryVector(values=x[i].tolist(), model_id="m@1")
+            dense = stub.Search(pb.SearchRequest(collection="euc", vector=v, top_k=5, mode=pb.DENSE),
+                                timeout=10)
+            assert dense.hits[0].doc_id == f"e{i}" and abs(dense.hits[0].score) < 1e-4
+            assert all(h.higher_is_better and h.score_kind == pb.L2_DISTANCE for h in dense.hits)
+            scores = [h.score for h in dense.hits]
+            assert scores == sorted(scores, reverse=True) and max(scores) <= 1e-4
+            before = assembly._sum.get()
+            fused = stub.Search(pb.SearchRequest(collection="euc", vector=v, text="zyxcommon",
+                                                 top_k=5, mode=pb.HYBRID, dense_weight=0.9,
+                                                 fusion=pb.FUSION_MIN_MAX, feedback_docs=0),
+                                timeout=10)
+            assert fused.hits[0].doc_id == f"e{i}"
+            # the assembly stage is observed in seconds (it was divided by 1,000 once more)
+            took_s = {t.stage: t.ms for t in fused.timings}["assembly"] / 1e3
+            assert assembly._sum.get() - before == pytest.approx(took_s, rel=0.05, abs=1e-6)
     finally:
         srv.stop()

@@ -42,14 +42,18 @@ class Encoders:
     def can_embed(self, desc: ReleaseDescriptor) -> bool:
         return self.embedder is not None and self.embedder.model_id == desc.model_id
 
-    def check_model(self, desc: ReleaseDescriptor) -> None:
+    def check_model(self, desc: ReleaseDescriptor, writing: bool = False) -> None:
+        """Whether this server can embed for `desc`; else what the caller should send instead
+        (`writing`: a document's chunks with their vectors, not a query vector)."""
+        send = ("chunks with their vectors and vector_model_id" if writing
+                else "a query vector with its model id")
         if self.embedder is None:
             raise FailedPrecondition(f"this server has no embedder; collection {desc.collection!r} "
-                                     f"takes vectors of {desc.model_id!r} (send a query vector)")
+                                     f"takes vectors of {desc.model_id!r} (send {send})")
         if self.embedder.model_id != desc.model_id:
             raise FailedPrecondition(f"the server's embedder {self.embedder.model_id!r} cannot embed "
-                                     f"for build {desc.build_id} ({desc.model_id!r}); send vectors of "
-                                     "that model")
+                                     f"for build {desc.build_id} ({desc.model_id!r}); send {send} "
+                                     "of that model")
 
     def _estimate(self, text: str) -> int:
         """Tokens, roughly (a word piece spans >= 1 character), for batch sizing only."""
@@ -90,6 +94,7 @@ class Encoders:
         """Passages being written: background class, so they never delay queries."""
         if not texts:
             return np.zeros((0, desc.dim), np.float32)
+        self.check_model(desc, writing=True)
         vecs = await asyncio.gather(*(self.embed(t, desc, background=True) for t in texts))
         return np.vstack(vecs).astype(np.float32)
 

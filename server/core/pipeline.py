@@ -442,10 +442,11 @@ class QueryPipeline:
         w = st.q.dense_weight
         if st.q.fusion == "minmax":
             share = 0.5 if w is None else w
+            # every retriever's scores arrive higher-is-better (an l2 shard negates its
+            # distances), so neither list is flipped
             return minmax_fusion({"dense": [(c.chunk_id, c.score) for c in st.dense],
                                   "lexical": [(c.chunk_id, c.score) for c in st.lexical]},
-                                 {"dense": share, "lexical": 1.0 - share},
-                                 ("dense",) if st.coll.desc.metric == "l2" else ())
+                                 {"dense": share, "lexical": 1.0 - share})
         weights = None if w is None else {"dense": 2.0 * w, "lexical": 2.0 * (1.0 - w)}
         return rrf({"dense": [c.chunk_id for c in st.dense],
                     "lexical": [c.chunk_id for c in st.lexical]}, self._rrf_k(st), weights)
@@ -755,5 +756,5 @@ class QueryPipeline:
     def _stamp(st: _Query, stage: str, t0: float) -> float:
         now = time.perf_counter()
         st.timings[stage] = st.timings.get(stage, 0.0) + (now - t0) * 1e3
-        metrics.RECENT.observe(stage, (now - t0) / 1e3)
+        metrics.RECENT.observe(stage, now - t0)
         return now

@@ -57,17 +57,17 @@ def rrf(ranked_lists: dict[str, Sequence[int]], k: int = 60,
     return sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
-def minmax_fusion(scored: dict[str, Sequence[tuple[int, float]]], weights: dict[str, float],
-                  lower_is_better: Sequence[str] = ()) -> list[tuple[int, float]]:
-    """Convex combination of min-max normalised scores: each list's scores are mapped to [0, 1]
-    (best = 1; a list whose scores are all equal maps to 1; lists in `lower_is_better`, e.g. L2
-    distances, are flipped first), weighted, and summed per chunk id (absent from a list = 0).
-    Returns (chunk_id, fused score) best first; ties break on chunk id."""
+def minmax_fusion(scored: dict[str, Sequence[tuple[int, float]]],
+                  weights: dict[str, float]) -> list[tuple[int, float]]:
+    """Convex combination of min-max normalised scores: each list's scores (higher is better,
+    as every retriever reports them: an L2 index negates its distances) are mapped to [0, 1]
+    (best = 1; a list whose scores are all equal maps to 1), weighted, and summed per chunk id
+    (absent from a list = 0). Returns (chunk_id, fused score) best first; ties break on chunk id."""
     fused: dict[int, float] = {}
     for name, pairs in scored.items():
         if not pairs:
             continue
-        vals = [(-s if name in lower_is_better else s) for _, s in pairs]
+        vals = [s for _, s in pairs]
         lo, hi = min(vals), max(vals)
         w = weights.get(name, 1.0)
         for (cid, _), v in zip(pairs, vals):

@@ -81,7 +81,7 @@ def result_to_pb(res: SearchResult, dense_kind: int) -> pb.SearchResponse:
     for h in res.hits:
         rec = h.candidate.record
         hit = hits.add(chunk_id=rec.chunk_id, doc_id=rec.doc_id, score=h.score,
-                       score_kind=SCORE_KIND[h.score_kind], higher_is_better=h.score_kind != "l2",
+                       score_kind=SCORE_KIND[h.score_kind], higher_is_better=True,
                        text=rec.text, title=rec.title, chunk_index=rec.chunk_index,
                        start_offset=rec.start_offset, end_offset=rec.end_offset,
                        shard=h.candidate.shard)
