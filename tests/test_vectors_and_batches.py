@@ -563,7 +563,7 @@ def test_an_l2_collection_fuses_and_reports_scores_higher_is_better(tmp_path):
 
     rng = np.random.default_rng(4)
     x = rng.standard_normal((300, 8)).astype(np.float32)
-    docs = [Document(f"e{i}", f"euclid note {i} zyxcommon") for i in range(300)]
+    docs = [Document(f"e{i}", f"euclid note zyxdoc{i}") for i in range(300)]
     store = CollectionStore(tmp_path / "data")
     desc = build_collection(docs, store, "euc", None, "Flat", metric="l2", quiet=True, vectors=x,
                             model_id="m@1")
@@ -582,7 +582,7 @@ def test_an_l2_collection_fuses_and_reports_scores_higher_is_better(tmp_path):
             scores = [h.score for h in dense.hits]
             assert scores == sorted(scores, reverse=True) and max(scores) <= 1e-4
             before = assembly._sum.get()
-            fused = stub.Search(pb.SearchRequest(collection="euc", vector=v, text="zyxcommon",
+            fused = stub.Search(pb.SearchRequest(collection="euc", vector=v, text=f"zyxdoc{i}",
                                                  top_k=5, mode=pb.HYBRID, dense_weight=0.9,
                                                  fusion=pb.FUSION_MIN_MAX, feedback_docs=0),
                                 timeout=10)
@@ -590,5 +590,12 @@ def test_an_l2_collection_fuses_and_reports_scores_higher_is_better(tmp_path):
             # the assembly stage is observed in seconds (it was divided by 1,000 once more)
             took_s = {t.stage: t.ms for t in fused.timings}["assembly"] / 1e3
             assert assembly._sum.get() - before == pytest.approx(took_s, rel=0.05, abs=1e-6)
+            # hybrid with dense feedback (the default): the moved query keeps its length under
+            # l2 (it was scaled to unit length, off the data: 53 of 300 stayed first)
+            rrf = stub.Search(pb.SearchRequest(collection="euc", vector=v, text=f"zyxdoc{i}",
+                                               top_k=5, mode=pb.HYBRID, include_trace=True),
+                              timeout=10)
+            assert any(n.startswith("dense feedback") for n in rrf.trace.notes)
+            assert rrf.hits[0].doc_id == f"e{i}" and rrf.hits[0].dense.rank == 1
     finally:
         srv.stop()

@@ -467,9 +467,11 @@ class QueryPipeline:
     async def _dense_feedback(self, states: list[_Query], tenant: str, acl_scopes: tuple,
                               deadline: Optional[float]) -> None:
         """Hybrid pseudo-relevance feedback on the dense side: the query vector moves toward the
-        stored vectors of the first fused hits (q' = normalise(a q + b mean)), the dense list is
-        searched again with q', and fused again with the unchanged lexical list. Measured on
-        both development collections (docs/BENCHMARKS.md); on by default for hybrid queries."""
+        stored vectors of the first fused hits (q' = a q + b mean, scaled to unit length in a
+        cosine (`ip`) collection; under `l2` lengths are part of the distance and stay), the
+        dense list is searched again with q', and fused again with the unchanged lexical list.
+        Measured on both development collections (docs/BENCHMARKS.md); on by default for hybrid
+        queries."""
         async def vectors_of(st: _Query) -> Optional[np.ndarray]:
             ids = {c.chunk_id: c for c in st.dense + st.lexical}
             got = await self._fetch_rows(st, [ids[cid] for cid, _ in st.fused[:self._feedback_k(st)]],
@@ -484,7 +486,8 @@ class QueryPipeline:
                 continue
             b = st.q.feedback_weight if st.q.feedback_weight is not None else self.config.dense_feedback_weight
             v = (1.0 - b) * st.sq.vector + b * mean.astype(np.float32)
-            v /= max(float(np.linalg.norm(v)), 1e-12)
+            if st.coll.desc.metric == "ip":  # under l2 a unit length would move q off the data
+                v /= max(float(np.linalg.norm(v)), 1e-12)
             todo.append(st)
             sqs.append(replace(st.sq, vector=v.astype(np.float32), text="", lexical_depth=0))
 
