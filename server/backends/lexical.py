@@ -299,7 +299,7 @@ class LexicalIndex:
                 boost = w
                 if t in shared:  # score with the collection's idf, not this shard's own
                     df = searcher.doc_freq(field, t)
-                    if df and shared[t][j]:
+                    if 0 < df <= docs and 0 < shared[t][j] <= stats.docs:  # else: this shard's own
                         boost *= bm25_idf(shared[t][j], stats.docs) / bm25_idf(df, docs)
                 q = Q.term_query(self.schema, field, t)
                 should.append((Occur.Should, Q.boost_query(q, boost) if boost != 1.0 else q))
