@@ -376,6 +376,55 @@ def test_compaction_drops_tombstones_and_keeps_every_answer(two_builds, tiny_emb
         srv.stop()
 
 
+def test_a_compacted_build_is_held_to_its_sources_audit_or_not_published(tmp_path, tiny_embedder,
+                                                                          cranfield_docs):
+    """Regression (outside QA): compaction audited its new build at recall 0 with held-in
+    queries, so an IVF-PQ index retrained on vectors that writes had moved was published at
+    recall 0.5. The new build now gets the source's held-out queries and recall threshold (and
+    its tuning target); one that falls short is not published and the source keeps serving."""
+    import numpy as np
+
+    from index_builder.build import audit_build, build_collection
+    from server.core.audit import AUDIT_QUERIES
+    from server.core.collection import CollectionStore
+
+    store = CollectionStore(tmp_path)
+    rng = np.random.default_rng(3)
+    held_out = rng.standard_normal((30, tiny_embedder.dim)).astype(np.float32)
+    a = build_collection(docs("a", cranfield_docs, 60), store, "c", tiny_embedder, "Flat",
+                         quiet=True, audit_queries=held_out)
+    audit_build(store, "c", a.build_id, min_recall=0.95)
+    store.publish("c", a.build_id)
+    srv = start_core_server(store.data_dir, tiny_embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            admin = pb_grpc.AdminServiceStub(ch)
+            stub.DeleteDocument(pb.DeleteDocumentRequest(collection="c", doc_id="a-1", version=2),
+                                timeout=30)
+            first = admin.Compact(pb.CompactRequest(collection="c"), timeout=300)
+            new = store.descriptor("c", first.build_id)
+            assert new.audit["query_source"] == "held-out (build)" and new.audit["queries"] == 30
+            assert new.audit["min_recall"] == 0.95 and new.audit["passed"]
+            assert np.array_equal(np.load(store.build_dir("c", first.build_id) / AUDIT_QUERIES),
+                                  np.load(store.build_dir("c", a.build_id) / AUDIT_QUERIES))
+            # a threshold the new build cannot meet: nothing is published, the source serves on
+            new.audit["min_recall"] = 1.5
+            store.write_descriptor(new)
+            srv.core.registry.get("c").desc.audit["min_recall"] = 1.5
+            stub.DeleteDocument(pb.DeleteDocumentRequest(collection="c", doc_id="a-2", version=2),
+                                timeout=30)
+            with pytest.raises(grpc.RpcError) as err:
+                admin.Compact(pb.CompactRequest(collection="c"), timeout=300)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "failed its checks" in err.value.details()
+            assert store.live_build("c") == first.build_id
+            assert stub.Search(pb.SearchRequest(collection="c", text="boundary layer", top_k=3),
+                               timeout=30).build_id == first.build_id
+    finally:
+        srv.stop()
+
+
 def test_a_corpus_with_fewer_documents_than_shards_is_audited_published_and_served(tmp_path,
                                                                                    tiny_embedder):
     """Regression (outside QA): 3 documents in 5 shards built, then the audit crashed on the

@@ -243,8 +243,14 @@ class BuildManager:
         return {"build_id": build_id, "previous": old.desc.build_id, "replayed": replayed,
                 "switched": True}
 
-    async def compact(self, name: str, min_recall: float = 0.0) -> dict:
-        """Compact the live build into a new one, audit and reconcile it, publish it, switch."""
+    async def compact(self, name: str) -> dict:
+        """Compact the live build into a new one, audit and reconcile it, publish it, switch.
+
+        The new build is held to its source's audit: the same held-out queries (copied over),
+        the same recall threshold, and the knobs tuned again to the source's target when it had
+        one - its index is trained anew on the live vectors, which writes may have moved far from
+        the ones the source was trained on. A build that falls short is not published, and the
+        source keeps serving."""
         from server.core.audit import audit_build
         from server.core.compaction import compact_build
 
@@ -255,8 +261,11 @@ class BuildManager:
         t0 = time.perf_counter()
         before = {k: sum(s.index.states[k] for s in coll.shards) for k in ("live", "dead", "orphan")}
         desc = await loop.run_in_executor(None, compact_build, self.store, coll)
+        source = coll.desc.audit or {}
+        min_recall = source.get("min_recall", 0.9)
+        target = (source.get("tuning") or {}).get("target_recall")
         audit = await loop.run_in_executor(None, lambda: audit_build(
-            self.store, name, desc.build_id, min_recall=min_recall))
+            self.store, name, desc.build_id, min_recall=min_recall, target_recall=target))
         if not (audit["passed"] and audit["reconciliation"]["passed"]):
             raise FailedPrecondition(f"compacted build {desc.build_id} failed its checks: {audit}")
         self.store.publish(name, desc.build_id, verify_files=False)  # written and audited just now

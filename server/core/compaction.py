@@ -11,10 +11,12 @@ import dataclasses
 import hashlib
 import json
 import secrets
+import shutil
 import time
 
 import numpy as np
 
+from server.core.audit import AUDIT_QUERIES
 from server.core.build_writer import write_shard
 from server.core.collection import CollectionStore, atomic_write, shard_dir_name
 from server.core.engine.index import crash_point
@@ -64,6 +66,9 @@ def compact_build(store: CollectionStore, loaded, seed: int = 0):
             corpus_version=version_hash.hexdigest()[:16], log_positions=log_positions)
         (tmp_dir / "release.json").write_text(new.to_json())
         (tmp_dir / REPLAY_FILE).write_text(json.dumps({desc.build_id: marker}))
+        held_out = store.build_dir(desc.collection, desc.build_id) / AUDIT_QUERIES
+        if held_out.is_file():  # the new build is audited with the source's held-out queries
+            shutil.copyfile(held_out, tmp_dir / AUDIT_QUERIES)
     return new
 
 
