@@ -176,3 +176,38 @@ def test_the_gpu_check_script_runs_every_section_through_the_product_code():
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "IVF1024,PQ64" in out.stdout and "b128: cpu" in out.stdout and "engine batching on" in out.stdout
+
+
+def test_exact_l2_search_far_from_the_origin_matches_float64(rng):
+    """Regression (outside QA): exact search (small allowed sets) expanded -|b - q|^2 in float32;
+    with vectors 1e4 from the origin the huge terms cancelled, giving the wrong neighbours and
+    positive "negated distances". It now expands about the rows' mean."""
+    from server.backends.dense import exact_search
+
+    x = (rng.standard_normal((500, 32)) + 1e4).astype(np.float32)
+    q = (x[:20] + 0.5 * rng.standard_normal((20, 32))).astype(np.float32)
+    rows = np.arange(0, 500, 2, dtype=np.int64)  # an allowed subset
+    got = exact_search(x, rows, q, 10, "l2")
+    sub = x[rows].astype(np.float64)
+    for j, (scores, found) in enumerate(got):
+        d = ((sub - q[j].astype(np.float64)) ** 2).sum(1)
+        want = rows[np.argsort(d, kind="stable")[:10]]
+        assert list(found) == list(want), j
+        assert np.allclose(-scores, np.sort(d)[:10], rtol=1e-3, atol=1e-2) and (scores <= 0).all()
+
+
+def test_a_graph_search_deeper_than_its_ef_searches_with_ef_k(data):
+    """Regression (outside QA): the tuned efSearch (chosen for recall@10) was used for deep
+    pages too, and faiss does not raise it to k, so hybrid's 100-deep dense list had recall
+    ~0.6. A page deeper than ef now searches with ef = k, as hnswlib does."""
+    x, q, _ = data
+    idx = build("HNSW16,Flat", x)
+    idx.knobs = SearchKnobs(ef_search=16)
+    _, rows = idx.search(q[:50], 100)
+    raw = faiss.downcast_index(idx.cpu_index)
+    _, want = raw.search(q[:50], 100, params=faiss.SearchParametersHNSW(efSearch=100))
+    _, shallow = raw.search(q[:50], 100, params=faiss.SearchParametersHNSW(efSearch=16))
+    assert np.array_equal(rows, want) and not np.array_equal(rows, shallow)
+    _, top10 = idx.search(q[:50], 10)  # a page within ef keeps the tuned ef
+    _, want10 = raw.search(q[:50], 10, params=faiss.SearchParametersHNSW(efSearch=16))
+    assert np.array_equal(top10, want10)
