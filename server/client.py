@@ -96,9 +96,7 @@ class SearchClient:
     def _timeout(self, timeout: Optional[float], default: Optional[float] = None) -> float:
         if timeout is None:
             return self.timeout if default is None else default
-        if timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
-        return timeout
+        return _check_timeout(timeout)
 
     def search_batch(self, requests: Iterable[pb.SearchRequest],
                      timeout: Optional[float] = None) -> Iterator[BatchResult]:
@@ -141,11 +139,18 @@ class SearchClient:
         self.close()
 
 
-def _positive_seconds(text: str) -> float:
-    value = float(text)
+def _check_timeout(value: float) -> float:
     if not value > 0:  # also NaN
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+        raise ValueError(f"timeout must be a positive number of seconds, not {value!r}")
     return value
+
+
+def _positive_seconds(text: str) -> float:
+    """--timeout, checked as the client checks a timeout."""
+    try:
+        return _check_timeout(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _over_message_limit(err: grpc.RpcError) -> bool:

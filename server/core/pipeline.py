@@ -301,30 +301,20 @@ class QueryPipeline:
             loop = asyncio.get_running_loop()
             left = STATS_ROUND_MAX_S if deadline is None else deadline - loop.time()
             round_deadline = loop.time() + min(STATS_ROUND_MAX_S, STATS_ROUND_SHARE * left)
-            by_coll: dict[str, list[_Query]] = {}
-            for st in todo:
-                by_coll.setdefault(st.coll.name, []).append(st)
-            groups = list(by_coll.values())
-            answers = await gather([
-                self._fan_out(group[0].coll, group, round_deadline,
-                              [ShardQuery(st.coll.desc.build_id, tenant, None, st.coll.desc.model_id,
-                                          st.q.text, 0, 0, st.q.filters, acl_scopes, 0,
-                                          st.q.min_applied_sequence, stats_only=True)
-                               for st in group])
-                for group in groups])
-            out = {}
-            for group, per_query in zip(groups, answers):
-                for st, per_shard in zip(group, per_query):
-                    stats = [a.term_stats for a in per_shard
-                             if isinstance(a, ShardResult) and a.term_stats is not None]
-                    if len(stats) < len(per_shard):  # " skipped": an answer not to cache
-                        st.notes.append("collection BM25 statistics skipped: a shard did not "
-                                        "answer the statistics round; scored with each shard's own")
-                        continue
-                    total = stats[0]
-                    for more in stats[1:]:
-                        total = total + more
-                    out[id(st)] = total
+            out: dict[int, TermStats] = {}
+
+            def settle(st: _Query, ok: list[ShardResult]) -> None:
+                total = ok[0].term_stats
+                for r in ok[1:]:
+                    total = total + r.term_stats
+                out[id(st)] = total
+
+            # a query whose round a shard failed gets a " skipped" note: an answer not to cache
+            await self._second_round(
+                todo, [ShardQuery(st.coll.desc.build_id, tenant, None, st.coll.desc.model_id,
+                                  st.q.text, 0, 0, st.q.filters, acl_scopes, 0,
+                                  st.q.min_applied_sequence, stats_only=True) for st in todo],
+                round_deadline, "collection BM25 statistics", settle, "statistics round")
             return out
 
         return round_()
@@ -499,9 +489,11 @@ class QueryPipeline:
         await self._second_round(todo, sqs, deadline, "dense feedback", settle)
 
     async def _second_round(self, todo: list[_Query], sqs: list[ShardQuery],
-                            deadline: Optional[float], what: str, settle) -> None:
-        """A feedback round: ask the shards `sqs` (one per query of `todo`, grouped by
-        collection); `settle(query, results)` takes a query's answers when every shard gave one."""
+                            deadline: Optional[float], what: str, settle,
+                            round_name: str = "second search") -> None:
+        """A round besides the search (feedback, statistics): ask the shards `sqs` (one per query
+        of `todo`, grouped by collection); `settle(query, results)` takes a query's answers when
+        every shard gave one, else the query gets a note that `what` was skipped."""
         by_coll: dict[str, list[int]] = {}
         for i, st in enumerate(todo):
             by_coll.setdefault(st.coll.name, []).append(i)
@@ -511,7 +503,7 @@ class QueryPipeline:
             for st, ans in zip(group, answers):
                 ok = [a for a in ans if isinstance(a, ShardResult)]
                 if len(ok) < len(ans):
-                    st.notes.append(f"{what} skipped: a shard failed its second search")
+                    st.notes.append(f"{what} skipped: a shard failed its {round_name}")
                     continue
                 if not self._same_data(st, ok):
                     st.notes.append(f"{what} skipped: a shard answered the second search from "
