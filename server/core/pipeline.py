@@ -304,9 +304,14 @@ class QueryPipeline:
             out: dict[int, TermStats] = {}
 
             def settle(st: _Query, ok: list[ShardResult]) -> None:
-                total = ok[0].term_stats
-                for r in ok[1:]:
-                    total = total + r.term_stats
+                stats = [r.term_stats for r in ok]
+                if None in stats:  # a shard server that does not know the round searched instead
+                    st.notes.append("collection BM25 statistics skipped: a shard answered without "
+                                    "them; scored with each shard's own")
+                    return
+                total = stats[0]
+                for more in stats[1:]:
+                    total = total + more
                 out[id(st)] = total
 
             # a query whose round a shard failed gets a " skipped" note: an answer not to cache
