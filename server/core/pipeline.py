@@ -280,7 +280,7 @@ class QueryPipeline:
                                deadline: Optional[float]):
         """BM25 on the collection's statistics, not each shard's: a shard's idf counts its own
         documents only, so a lexical ranking would change with how documents fall into shards
-        (with 3 shards, 9 of 225 Cranfield top-10 lists equalled one shard's). A first round
+        (with 3 shards, 7 of 225 Cranfield top-10 lists equalled one shard's). A first round
         asks every shard for its statistics of the query's terms (the shape of Elasticsearch's
         dfs_query_then_fetch), and the search scores with their sums. Queries of one-shard
         collections skip it. A shard that fails this round leaves its query on per-shard
