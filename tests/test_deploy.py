@@ -616,7 +616,8 @@ def test_dashboard_metrics_exist():
                 "search_shard_seconds_bucket", "search_engine_batch_size_bucket",
                 "search_engine_queue_seconds_bucket", "search_batch_size_bucket",
                 "search_batch_queue_depth", "search_rejected_total", "search_applied_sequence",
-                "search_tombstone_ratio", "search_orphan_rows", "search_lexical_repaired_rows_total"}
+                "search_tombstone_ratio", "search_orphan_rows", "search_lexical_repaired_rows_total",
+                "search_fetch_mismatches_total"}
     assert required <= used, sorted(required - used)
     p99 = [e for _, e in dashboard_exprs(dash) if "$p99_budget_ms" in e]
     assert p99 and any("histogram_quantile(0.99" in e and "search_stage_seconds_bucket" in e

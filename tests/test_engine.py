@@ -317,6 +317,27 @@ def test_the_packed_record_read_equals_the_row_by_row_read(tmp_path, monkeypatch
     store.close()
 
 
+def test_recovery_deletes_a_cut_off_groups_pending_rows_and_orphans_earlier_ones(tmp_path):
+    """Pending rows after the last settled row (a crash between a group's pending insert and its
+    flip) are deleted, so the next write takes the same rows on every replica; pending rows that
+    settled rows follow (a group that failed without a crash) cannot be renumbered and become
+    orphans."""
+    from server.backends.docstore import ChunkRecord, DocStore, STATE_NAMES
+
+    store = DocStore(tmp_path / "s.sqlite", create=True)
+    store.insert_chunks([ChunkRecord(r, 100 + r, f"d{r}", 0, 0, 1, "", "x", "t", {}, ("@all",), r)
+                         for r in range(6)])
+    store._conn().execute("UPDATE chunks SET live=0 WHERE row IN (2, 4, 5)")  # 2: mid, 4-5: tail
+    assert store.drop_pending_tail() == [4, 5]
+    assert store.next_row() == 4
+    assert store.orphan_pending() == 1
+    states = dict(store._conn().execute("SELECT row, live FROM chunks").fetchall())
+    assert {r: STATE_NAMES[v] for r, v in states.items()} == {
+        0: "live", 1: "live", 2: "orphan", 3: "live"}
+    assert store.drop_pending_tail() == []  # nothing pending left
+    store.close()
+
+
 def test_batches_run_one_at_a_time_on_a_gpu_and_one_per_spare_core_on_the_cpu(monkeypatch):
     import os
 

@@ -257,3 +257,86 @@ def test_a_second_round_from_other_data_is_not_mixed_in():
         if seq == 88:
             assert any("dense feedback skipped" in n for n in st.notes)
     assert settled == [90]
+
+
+def test_a_fetch_asks_the_replica_that_ranked_its_rows_first():
+    """Rows number one replica's chunk versions: texts and vectors are fetched from the replica
+    whose answer ranked them, whatever the policy would pick."""
+    from server.core.types import FetchRequest
+
+    class Fetching(Replica):
+        async def fetch(self, request, timeout=None):
+            self.calls += 1
+            return [self.address]
+
+    a, b = Fetching("a"), Fetching("b")
+    rs = ReplicaSet(0, [a, b], FAST_HEDGE)
+    rs._rr = iter(range(0, 10 ** 6, 2))  # the policy prefers replica 0 ("a")
+    req = FetchRequest("b1", "t", (), (1, 2))
+    assert run(rs.fetch(req, 5)) == ["a"]
+    from dataclasses import replace
+    assert [run(rs.fetch(replace(req, replica="b"), 5)) for _ in range(3)] == [["b"]] * 3
+    assert (a.calls, b.calls) == (1, 3)
+
+
+def test_a_fetched_row_holding_another_chunk_is_dropped_never_served(small_collection,
+                                                                     tiny_embedder):
+    """A replica whose rows disagree with the one that ranked them (outside QA: a replica that
+    crashed inside a write numbered its later rows one higher) must not put another document's
+    text under a ranked hit: the fetched row's chunk id and fingerprint are checked, a mismatch
+    is dropped and counted."""
+    from conftest import make_core
+    from server.core import metrics
+    from server.core.types import SearchQuery
+
+    data, desc = small_collection
+
+    class ShiftedRows:
+        """Shard 0 as a replica one row ahead would answer a fetch: row r holds r+1's chunk."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        async def fetch(self, request, timeout=None):
+            from dataclasses import replace
+            got = await self.inner.fetch(replace(request, rows=tuple(r + 1 for r in request.rows)),
+                                         timeout)
+            for c in got:
+                c.record.row -= 1
+            return got
+
+    def answers(core, top_k):
+        async def go():
+            await core.start()
+            try:
+                out = []
+                for text in ("flow over a flat plate", "heat transfer in boundary layers",
+                             "supersonic wing pressure"):
+                    r = await core.search(SearchQuery("cran", text=text, top_k=top_k,
+                                                      mode="lexical"), "default")
+                    out.append([(h.candidate.record.doc_id, h.candidate.record.text) for h in r.hits])
+                return out
+            finally:
+                await core.close()
+        return run(go())
+
+    sections = dict(pipeline={"text_top_n": 1, "retrieval_cache_size": 0})
+    honest_core = make_core(data, tiny_embedder, **sections)
+    honest_core.load()
+    honest = answers(honest_core, 40)
+    core = make_core(data, tiny_embedder, **sections)
+    core.load()
+    coll = core.registry.get("cran")
+    coll.shards[0] = ShiftedRows(coll.shards[0])
+    counter = metrics.FETCH_MISMATCHES.labels("cran", "0")
+    before = counter._value.get()
+    shifted = answers(core, 10)
+    assert counter._value.get() > before  # the shifted rows were fetched, and caught
+    for ranked, got in zip(honest, shifted):
+        assert len(ranked) == 40 and got
+        # every hit served is a hit the honest ranking has, with its own text, in its order;
+        # shard 0's fetched hits dropped out
+        assert got == [h for h in ranked if h in got] and got != ranked[:10]

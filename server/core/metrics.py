@@ -37,6 +37,9 @@ TOMBSTONE_RATIO = Gauge("search_tombstone_ratio", "Dead or orphaned rows / all r
                         "removes them)", ["collection", "shard"])
 LEXICAL_REPAIRS = Counter("search_lexical_repaired_rows_total", "Rows the BM25 index held or lacked "
                           "against the store (invariant 7), found and repaired", ["collection", "shard"])
+FETCH_MISMATCHES = Counter("search_fetch_mismatches_total", "Fetched rows that held another chunk "
+                           "than the one ranked (replicas whose rows disagree); left out",
+                           ["collection", "shard"])
 APPLIED_SEQ = Gauge("search_applied_sequence", "Write-log position a shard has applied",
                     ["collection", "shard"])
 WRITE_LAG = Gauge("search_replica_write_lag", "Log entries for this shard the replica has not "

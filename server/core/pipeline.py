@@ -62,6 +62,15 @@ async def gather(coros: Sequence, return_exceptions: bool = False) -> list:
         return [exc]
 
 
+def _same_chunk(ranked: Optional[Candidate], fetched: Candidate) -> bool:
+    """A fetched row holds the chunk a retriever ranked: same chunk id, and the same text
+    fingerprint where both sides have one."""
+    if ranked is None or ranked.chunk_id != fetched.chunk_id:
+        return False
+    a, b = ranked.record.text_hash, fetched.record.text_hash
+    return not (a and b and a != b)
+
+
 @dataclass
 class _Query:
     """One query's state through the pipeline."""
@@ -702,20 +711,38 @@ class QueryPipeline:
         """The records of these candidates' rows that are still live and visible to the caller
         (with their stored vectors if asked), one FetchChunks per shard, keyed by (shard, row).
         A shard that fails raises, or with `tolerant` (feedback rounds: an improvement, never a
-        reason to fail) leaves its rows out."""
+        reason to fail) leaves its rows out. A row that holds another chunk than the one ranked
+        (a replica whose rows disagree with the one that searched) is left out too: a hit is
+        dropped, never swapped for another document."""
         per_shard: dict[int, list[int]] = {}
+        ranked: dict[tuple[int, int], Candidate] = {}
         for c in cands:
             per_shard.setdefault(c.shard, []).append(c.record.row)
+            ranked[(c.shard, c.record.row)] = c
         if not per_shard:
             return {}
         loop = asyncio.get_running_loop()
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
         shards = {s.shard_no: s for s in st.coll.shards}
+        answered = {r.shard: r.replica for r in st.shard_results}
         got = await gather([
-            shards[n].fetch(FetchRequest(st.sq.build_id, tenant, acl_scopes, tuple(rows), with_vectors),
+            shards[n].fetch(FetchRequest(st.sq.build_id, tenant, acl_scopes, tuple(rows), with_vectors,
+                                         answered.get(n, "")),
                             timeout) for n, rows in per_shard.items()], return_exceptions=tolerant)
-        return {(n, c.record.row): c for n, batch in zip(per_shard, got)
-                if not isinstance(batch, BaseException) for c in batch}
+        out = {}
+        for n, batch in zip(per_shard, got):
+            if isinstance(batch, BaseException):
+                continue
+            for c in batch:
+                key = (n, c.record.row)
+                if _same_chunk(ranked.get(key), c):
+                    out[key] = c
+                else:
+                    metrics.FETCH_MISMATCHES.labels(st.coll.desc.collection, str(n)).inc()
+                    log.error("shard %d: row %d holds chunk %d, not the ranked chunk %s: left "
+                              "out (replicas whose rows disagree)", n, c.record.row, c.chunk_id,
+                              getattr(ranked.get(key), "chunk_id", None))
+        return out
 
     def _trace(self, st: _Query, pre_rerank, ranked, a: ContextAssembler) -> dict:
         def entries(cands: Sequence[Candidate]):

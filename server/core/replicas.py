@@ -345,7 +345,11 @@ class ReplicaSet:
                                   timed=not all(q.stats_only for q in queries))
 
     async def fetch(self, request: FetchRequest, timeout: Optional[float] = None) -> list[Candidate]:
-        return await self._hedged(lambda r, t: r.fetch(request, t), timeout)
+        """From the replica that ranked the rows (FetchRequest.replica) first, under the usual
+        policy otherwise; the caller checks that each row still holds the chunk it ranked."""
+        first = next((j for j in range(len(self.replicas))
+                      if request.replica and self._name(j) == request.replica), None)
+        return await self._hedged(lambda r, t: r.fetch(request, t), timeout, first=first)
 
     async def apply(self, writes: Sequence[ShardWrite],
                     timeout: Optional[float] = None) -> list[WriteOutcome]:

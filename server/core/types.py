@@ -118,6 +118,9 @@ class FetchRequest:
     acl_scopes: tuple[str, ...]
     rows: tuple[int, ...]
     with_vectors: bool = False
+    # a router asks the replica whose answer ranked these rows first (rows number one replica's
+    # chunk versions); never sent to a shard
+    replica: str = ""
 
 
 @dataclass

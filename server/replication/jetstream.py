@@ -441,6 +441,11 @@ class JetStreamWriteLog:
         return self._duplicate_window
 
     @property
+    def max_payload(self) -> int:
+        """The largest message the NATS server takes (its `max_payload`, 1 MB by default)."""
+        return int(self._nc.max_payload)
+
+    @property
     def is_connected(self) -> bool:
         return self._nc.is_connected
 

@@ -33,7 +33,7 @@ from server.config import ReplicationConfig
 from server.core import metrics
 from server.core.collection import shard_dir_name
 from server.core.types import ShardWrite
-from server.errors import FailedPrecondition, SearchError
+from server.errors import FailedPrecondition, InvalidArgument, SearchError
 from server.replication.jetstream import JetStreamWriteLog, ShardLogReader, WriteLogError
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,14 @@ class ReplicatedWriteLog:
         if self.broken:
             raise FailedPrecondition(self.broken)
         message = shard_write_to_pb(write, collection, write.model_id)
-        result = await self.js.publish(shard, message.SerializeToString(), msg_id,
-                                       self.config.publish_timeout_s)
+        payload = message.SerializeToString()
+        if len(payload) > self.js.max_payload:  # refused here, with the way out, not as INTERNAL
+            raise InvalidArgument(
+                f"this write's log entry (text, chunk texts and vectors) is {len(payload):,} "
+                f"bytes; the write log takes at most {self.js.max_payload:,} (the NATS server's "
+                f"max_payload): raise max_payload (deploy/ and scripts/nats.sh set 8 MB) or "
+                f"split the document")
+        result = await self.js.publish(shard, payload, msg_id, self.config.publish_timeout_s)
         if not result.duplicate:
             return result.seq, False
         # The log held this message id already: a client's retry, the log client's own retry of

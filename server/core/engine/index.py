@@ -19,9 +19,10 @@ applied inside both searches, never after them:
 Writes are applied in groups (group commit) through the store's protocol: the new versions' chunks
 are written durable but invisible (pending), added to faiss and tantivy, then ONE SQLite
 transaction makes them live and the old ones dead, recording the write-log position applied. A
-crash before that transaction leaves the old versions served; recovery at load orphans pending
-rows and purges dead ones from the lexical index. A readers-writer lock makes each search group
-see one index version in both branches.
+crash before that transaction leaves the old versions served; recovery at load deletes the cut-off
+group's pending rows (so a replica that crashed numbers its next rows as its siblings do: routers
+fetch by row from any replica) and purges dead ones from the lexical index. A readers-writer lock
+makes each search group see one index version in both branches.
 """
 from __future__ import annotations
 
@@ -194,6 +195,9 @@ class ShardIndex:
     # --- load-time recovery ------------------------------------------------------------------
     def _recover(self) -> dict:
         """Rebuild in-memory state from the store (the authority) after any stop, clean or not."""
+        dropped = self.store.drop_pending_tail()
+        if dropped:  # a crash's staged BM25 commit may hold them: out before their rows return
+            self.lexical.delete_rows(dropped)
         orphaned = self.store.orphan_pending()
         base_n = self.dense.ntotal
         rows, ids, vecs = self.store.added_vectors(base_n)
@@ -215,8 +219,8 @@ class ShardIndex:
         # row against a missing one); an untouched build was reconciled by its audit
         touched = len(rows) > 0 or self.store.last_write_seq() > 0
         repaired = self.check_lexical("at load", full=touched)
-        return {"orphaned": orphaned, "replayed_rows": int(len(rows)), "purged": len(purge),
-                "lexical_repaired": repaired}
+        return {"dropped_pending": len(dropped), "orphaned": orphaned,
+                "replayed_rows": int(len(rows)), "purged": len(purge), "lexical_repaired": repaired}
 
     def _load_counts(self) -> None:
         """Counts kept in memory from here on (moved by every flip): descriptions are O(1)."""
