@@ -271,7 +271,8 @@ class DocStore:
         return out
 
     def next_row(self) -> int:
-        return (self._conn().execute("SELECT max(row) FROM chunks").fetchone()[0] or -1) + 1
+        last = self._conn().execute("SELECT max(row) FROM chunks").fetchone()[0]
+        return 0 if last is None else last + 1  # (not `or -1`: row 0 is a row)
 
     def insert_pending(self, records: Sequence[ChunkRecord], versions: Sequence[int],
                        vectors: np.ndarray) -> None:

@@ -340,8 +340,9 @@ class ShardIndex:
         found = [[(int(sub.row_ids[r]), float(s)) for r, s in zip(rr, ss) if r >= 0]
                  for rr, ss in zip(rows, scores)]
         base_n = self.vectors.base_n
-        if allowed is not None and self.nrows > base_n and exact_ok:
-            newer = allowed.rows[allowed.rows >= base_n]
+        if self.nrows > base_n and exact_ok:  # no mask (nothing restricted): all of them
+            newer = (allowed.rows[allowed.rows >= base_n] if allowed is not None
+                     else np.arange(base_n, self.nrows, dtype=np.int64))
             if len(newer):
                 extra = exact_search(self.vectors, newer, queries, k, self.desc.metric)
                 found = [sorted(f + list(zip(r.tolist(), s.tolist())), key=lambda x: -x[1])[:k]
