@@ -425,6 +425,46 @@ def test_a_compacted_build_is_held_to_its_sources_audit_or_not_published(tmp_pat
         srv.stop()
 
 
+def test_a_build_published_while_a_compaction_runs_is_not_undone(two_builds, tiny_embedder,
+                                                                 monkeypatch):
+    """Regression (outside QA): an operator published a new build while a compaction of the old
+    one ran; the compaction then published its copy of the old build over it, and the new corpus
+    was never served. The compaction's publish now requires its source to be still live."""
+    from index_builder.build import audit_build
+    from server.core import compaction
+
+    store, a, b = two_builds
+    audit_build(store, "c", b.build_id)
+    real = compaction.compact_build
+
+    def compact_while_the_operator_publishes(*args, **kw):
+        desc = real(*args, **kw)
+        store.publish("c", b.build_id)  # `index-builder publish`, landing mid-compaction
+        return desc
+
+    monkeypatch.setattr(compaction, "compact_build", compact_while_the_operator_publishes)
+    srv = start_core_server(store.data_dir, tiny_embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            admin = pb_grpc.AdminServiceStub(ch)
+            stub.DeleteDocument(pb.DeleteDocumentRequest(collection="c", doc_id="a-1", version=2),
+                                timeout=30)
+            with pytest.raises(grpc.RpcError) as err:
+                admin.Compact(pb.CompactRequest(collection="c"), timeout=300)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"build {b.build_id} was published while" in err.value.details()
+            assert store.alias("c") == {"live": b.build_id, "previous": a.build_id}
+            builds = sorted(p.name for p in (store.collection_dir("c") / "builds").iterdir()
+                            if not p.name.startswith("."))
+            assert builds == sorted([a.build_id, b.build_id])  # the stale copy is gone
+            run(srv, srv.core.builds.switch_build("c"))
+            assert stub.Search(pb.SearchRequest(collection="c", text="boundary layer", top_k=3),
+                               timeout=30).build_id == b.build_id
+    finally:
+        srv.stop()
+
+
 def test_a_corpus_with_fewer_documents_than_shards_is_audited_published_and_served(tmp_path,
                                                                                    tiny_embedder):
     """Regression (outside QA): 3 documents in 5 shards built, then the audit crashed on the

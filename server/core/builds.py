@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -268,7 +269,12 @@ class BuildManager:
             self.store, name, desc.build_id, min_recall=min_recall, target_recall=target))
         if not (audit["passed"] and audit["reconciliation"]["passed"]):
             raise FailedPrecondition(f"compacted build {desc.build_id} failed its checks: {audit}")
-        self.store.publish(name, desc.build_id, verify_files=False)  # written and audited just now
+        try:  # written and audited just now; published only over its own source
+            self.store.publish(name, desc.build_id, verify_files=False,
+                               expect_live=coll.desc.build_id)
+        except FailedPrecondition:
+            shutil.rmtree(self.store.build_dir(name, desc.build_id), ignore_errors=True)
+            raise
         switched = await self.switch_build(name, desc.build_id)
         return {"build_id": desc.build_id, "previous": coll.desc.build_id, "rows_before": before,
                 "rows_after": desc.chunks, "replayed": switched["replayed"],

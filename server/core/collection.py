@@ -284,10 +284,13 @@ class CollectionStore:
                         raise FailedPrecondition(f"build {build_id}: {path} {problem}; not published")
 
     def publish(self, name: str, build_id: str, require_audit: bool = True,
-                min_recall: Optional[float] = None, verify_files: bool = True) -> dict:
+                min_recall: Optional[float] = None, verify_files: bool = True,
+                expect_live: Optional[str] = None) -> dict:
         """Point the alias at `build_id` in one atomic write; the old live build becomes `previous`.
         Refused unless the build's recall audit and count reconciliation passed and its files
-        are whole (`verify_files`; a compaction that has just written and audited them skips it)."""
+        are whole (`verify_files`; a compaction that has just written and audited them skips it),
+        and, with `expect_live`, unless that build is still the live one (a compaction of it must
+        not undo a build an operator published meanwhile). Publishers take turns on an flock."""
         desc = self.descriptor(name, build_id)
         if require_audit:
             audit = desc.audit
@@ -310,9 +313,15 @@ class CollectionStore:
         if verify_files:
             self.verify_files(name, build_id)
         alias_path = self.collection_dir(name) / "ALIAS"
-        previous = None
-        if alias_path.is_file():
-            previous = self.alias(name).get("live")
-        alias = {"live": build_id, "previous": previous if previous != build_id else None}
-        atomic_write(alias_path, json.dumps(alias))
+        with open(self.collection_dir(name) / ".ALIAS.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if we die
+            previous = None
+            if alias_path.is_file():
+                previous = self.alias(name).get("live")
+            if expect_live is not None and previous != expect_live:
+                raise FailedPrecondition(
+                    f"{name}: build {previous} was published while {build_id} was made from "
+                    f"{expect_live}; {build_id} not published")
+            alias = {"live": build_id, "previous": previous if previous != build_id else None}
+            atomic_write(alias_path, json.dumps(alias))
         return alias
