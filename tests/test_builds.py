@@ -247,6 +247,52 @@ def test_a_corpus_build_published_after_compactions_gets_every_earlier_write(two
         srv.stop()
 
 
+def test_two_publishes_while_the_server_is_down_keep_every_write(two_builds, tiny_embedder,
+                                                                 cranfield_docs):
+    """Regression (outside QA): A took an upsert and a delete, the server stopped, B then C were
+    published, and the restarted server served C without the upsert and with the deleted
+    document: only the alias's `previous` (B, which never served) was replayed. The state now
+    records the build it served last, and that is the source."""
+    from index_builder.build import audit_build, build_collection
+
+    store, a, b = two_builds
+    audit_build(store, "c", b.build_id)
+    c = build_collection(docs("a", cranfield_docs, 80), store, "c", tiny_embedder, "Flat",
+                         quiet=True)
+    audit_build(store, "c", c.build_id)
+    gone = f"a-{cranfield_docs[3].doc_id}"
+
+    def serve():
+        return start_core_server(store.data_dir, tiny_embedder, pipeline={"retrieval_cache_size": 0})
+
+    def dense_ids(stub):
+        return {h.doc_id for h in stub.Search(pb.SearchRequest(
+            collection="c", text="flow", top_k=200, mode=pb.DENSE), timeout=30).hits}
+
+    srv = serve()
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            stub.UpsertDocument(pb.UpsertDocumentRequest(collection="c", doc_id="written-on-a",
+                                                         version=1, text="zyxkept flow note"),
+                                timeout=30)
+            stub.DeleteDocument(pb.DeleteDocumentRequest(collection="c", doc_id=gone, version=2),
+                                timeout=30)
+    finally:
+        srv.stop()
+    store.publish("c", b.build_id)
+    store.publish("c", c.build_id)
+    srv = serve()
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            ids = dense_ids(stub)
+            assert "written-on-a" in ids and gone not in ids
+            assert f"a-{cranfield_docs[4].doc_id}" in ids  # C's own corpus is served
+    finally:
+        srv.stop()
+
+
 def test_a_rollback_past_two_compactions_keeps_every_write(two_builds, tiny_embedder):
     """Regression (outside QA): rolling back to the build served before two compactions brought
     back an old version and a deleted document and lost a write: only the last build's log was

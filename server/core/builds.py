@@ -23,7 +23,7 @@ from server.backends.device import Device
 from server.backends.docstore import DocStore, LoggedWrite
 from server.config import ServerConfig
 from server.core.chunking import Chunk, embed_text, shard_of
-from server.core.collection import CollectionStore, shard_dir_name
+from server.core.collection import CollectionStore, atomic_write, shard_dir_name
 from server.core.encoders import Encoders
 from server.core.engine.local import EnginePools, LocalShard
 from server.core.engine.state import check_writable, state_shard_dir
@@ -85,12 +85,26 @@ class BuildManager:
                      loaded.desc.build_id, loaded.desc.shards, loaded.desc.chunks, loaded.desc.model_id)
 
     async def start(self) -> None:
-        """Before serving: replay writes the live build may have missed (it was published while
-        the server was down, or the server stopped mid-switch)."""
+        """Before serving: replay writes the live build may have missed - it was published while
+        the server was down (once or several times: the build this state last served is the
+        source, not the alias's `previous`, which may never have served), or the server stopped
+        mid-switch."""
         for loaded in self.registry:
-            previous = self.store.alias(loaded.name).get("previous")
-            if previous and previous in self.store.builds(loaded.name):
-                await self.replay(loaded.name, previous, loaded)
+            name, builds = loaded.name, self.store.builds(loaded.name)
+            sources = [self._last_served(name), self.store.alias(name).get("previous")]
+            for source in dict.fromkeys(b for b in sources if b and b in builds):
+                await self.replay(name, source, loaded)
+            self._mark_served(name, loaded.desc.build_id)
+
+    SERVED = "SERVED"  # <state>/<collection>/SERVED: the build this state served last
+
+    def _last_served(self, name: str) -> Optional[str]:
+        path = self.state_root / name / self.SERVED
+        return (path.read_text().strip() or None) if path.is_file() else None
+
+    def _mark_served(self, name: str, build_id: str) -> None:
+        """Recorded once every write the build may have missed is in it (after the replay)."""
+        atomic_write(check_writable(self.state_root / name) / self.SERVED, build_id)
 
     def _retire(self, old: LoadedCollection) -> None:
         """Queries that resolved the old build before the swap finish on it (a feedback round or
@@ -233,6 +247,7 @@ class BuildManager:
             async with self.writes.gate(name).exclusive():
                 replayed += await self.replay(name, old.desc.build_id, new)
                 self.registry.put(new)
+                self._mark_served(name, build_id)
         except BaseException:
             await asyncio.gather(*(s.close() for s in new.shards))
             raise
