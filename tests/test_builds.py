@@ -2,12 +2,14 @@
 made during a rebuild are replayed into it; rollback; model migration refuses old vectors;
 compaction drops tombstones without changing answers."""
 import asyncio
+import shutil
 import sqlite3
 import subprocess
 import sys
 import threading
 
 import grpc
+import numpy as np
 import pytest
 
 from server.rpc import search_pb2 as pb
@@ -50,7 +52,8 @@ def test_publish_refuses_a_build_without_an_audit(two_builds):
     assert store.live_build("c") == a.build_id
 
 
-def test_publish_refuses_a_build_whose_files_were_damaged_after_its_audit(two_builds):
+def test_publish_refuses_a_build_whose_files_were_damaged_after_its_audit(two_builds,
+                                                                          tmp_path_factory):
     """Regression (outside QA): a build truncated after its audit was published; every server
     then logged an error each poll and the next start failed for every collection."""
     from index_builder.build import audit_build
@@ -58,6 +61,8 @@ def test_publish_refuses_a_build_whose_files_were_damaged_after_its_audit(two_bu
 
     store, a, b = two_builds
     audit_build(store, "c", b.build_id)
+    pristine = tmp_path_factory.mktemp("pristine")
+    shutil.copytree(store.data_dir, pristine, dirs_exist_ok=True)
     target = store.build_dir("c", b.build_id) / "shard-001" / "dense.faiss"
     whole = target.read_bytes()
     target.write_bytes(whole[:1000])
@@ -68,6 +73,31 @@ def test_publish_refuses_a_build_whose_files_were_damaged_after_its_audit(two_bu
         store.publish("c", b.build_id)
     assert store.live_build("c") == a.build_id  # nothing changed
     target.write_bytes(whole)
+    # every file a server reads: exact vectors, the document store's bytes, BM25 segments
+    # (outside QA: two swapped vector rows, an edited text and a deleted row were all published)
+    shard = store.build_dir("c", b.build_id) / "shard-000"
+
+    def swap_two_vector_rows(path):
+        v = np.load(path)
+        np.save(path, v[[1, 0, *range(2, len(v))]])
+
+    def edit_a_text(path):
+        with sqlite3.connect(path) as conn:
+            conn.execute("UPDATE chunks SET text = 'edited' WHERE row = 0")
+        conn.close()
+
+    def flip_a_bit(path):
+        whole = path.read_bytes()
+        path.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))
+
+    segment = max((f for f in (shard / "lexical").iterdir() if not f.name.startswith(".")),
+                  key=lambda f: f.stat().st_size)
+    for path, damage in ((shard / "vectors.npy", swap_two_vector_rows),
+                         (shard / "docstore.sqlite", edit_a_text), (segment, flip_a_bit)):
+        damage(path)
+        with pytest.raises(FailedPrecondition, match=f"{path} (fails its sha256|is .* bytes)"):
+            store.publish("c", b.build_id)
+        path.write_bytes((pristine / path.relative_to(store.data_dir)).read_bytes())
     store.publish("c", b.build_id)
     assert store.live_build("c") == b.build_id
 

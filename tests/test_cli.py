@@ -154,6 +154,43 @@ def test_a_corrupted_build_fails_at_load_naming_the_file(built, tiny_embedder, d
         core.load()
 
 
+@pytest.mark.parametrize("damaged", ["vectors.npy", "docstore.sqlite", "lexical"])
+def test_a_build_damaged_in_place_fails_at_load_naming_the_file(built, tiny_embedder, damaged):
+    """Same-size damage after publish - two vector rows swapped, a text edited in the document
+    store, a bit of a BM25 segment flipped - is refused at load by the build's checksums
+    (outside QA: each was served, the edited text verbatim)."""
+    import shutil
+    import sqlite3
+
+    import numpy as np
+
+    from conftest import make_core
+    from server.errors import IndexCorruptError
+
+    data, _ = built
+    copy = data.parent / f"inplace-copy-{damaged}"
+    shutil.copytree(data, copy, ignore=shutil.ignore_patterns(".state"))
+    alias = json.loads((copy / "cran" / "ALIAS").read_text())
+    shard = copy / "cran" / "builds" / alias["live"] / "shard-001"
+    if damaged == "vectors.npy":
+        target = shard / damaged
+        v = np.load(target)
+        np.save(target, v[[1, 0, *range(2, len(v))]])
+    elif damaged == "docstore.sqlite":
+        target = shard / damaged
+        with sqlite3.connect(target) as conn:
+            conn.execute("UPDATE chunks SET text = 'edited' WHERE row = 0")
+        conn.close()
+    else:
+        target = max((f for f in (shard / "lexical").iterdir() if not f.name.startswith(".")),
+                     key=lambda f: f.stat().st_size)
+        whole = target.read_bytes()
+        target.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))
+    core = make_core(copy)
+    with pytest.raises(IndexCorruptError, match=re.escape(str(target)) + " fails its sha256"):
+        core.load()
+
+
 @pytest.mark.slow
 def test_eval_runs_several_datasets_from_one_command(tmp_path):
     """`index-builder eval --dataset A --dataset B --serve-from DIR`: builds both collections,

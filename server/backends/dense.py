@@ -97,6 +97,11 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def file_record(path: Path) -> dict:
+    """What a build records of one of its files, checked at publish and at load."""
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
 def recorded_file_problem(path: Path, want: dict) -> Optional[str]:
     """What is wrong with a build file against what the build recorded of it ({bytes, sha256}),
     worded to follow the file's name; None when it is whole."""
@@ -211,7 +216,7 @@ class DenseIndex:
         np.save(tmp_rows, self.row_ids)
         tmp_rows.replace(rows_path)
         for p in (index_path, rows_path):
-            files[p.name] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            files[p.name] = file_record(p)
         return files
 
     @classmethod

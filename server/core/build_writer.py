@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from server.backends.dense import build_dense, make_index, training_size
+from server.backends.dense import build_dense, file_record, make_index, training_size
 from server.backends.docstore import ChunkRecord, DocStore
 from server.backends.lexical import LexicalIndex
 
@@ -52,6 +52,12 @@ def write_shard(sdir: Path, records: Sequence[ChunkRecord], x: np.ndarray, docum
     store.close()
     lexical = LexicalIndex.create(sdir / "lexical")
     lexical.add((r.row, r.title, r.text, r.tenant, r.metadata, r.acl) for r in records)
+    # every file a server reads from the build, checked at publish and when a server first reads
+    # it (tantivy's lock files, which it recreates, excepted): damage after the audit is refused
+    files["vectors.npy"] = file_record(sdir / "vectors.npy")
+    files["docstore.sqlite"] = file_record(sdir / "docstore.sqlite")
+    files["lexical"] = {f.name: file_record(f) for f in sorted((sdir / "lexical").iterdir())
+                        if f.is_file() and not f.name.startswith(".")}
     dedicated = []
     for tenant, count in sorted(tenants.items()):
         if dedicated_min is None or count < dedicated_min:

@@ -38,7 +38,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from server.backends.dense import DenseIndex, RowFilter, SearchKnobs, exact_search
+from server.backends.dense import (DenseIndex, RowFilter, SearchKnobs, exact_search,
+                                   recorded_file_problem)
 from server.backends.device import Device
 from server.backends.docstore import (PUBLIC_ACL, ChunkRecord, DocStore, FlipEntry,
                                       chunk_fingerprint)
@@ -143,11 +144,11 @@ class ShardIndex:
         name = shard_dir_name(shard_no)
         self.build_dir = Path(build_dir) / name
         self.directory = self.build_dir
+        files = desc.shard_files.get(name, {})
         self.state_dir = prepare(self.build_dir, state_shard_dir(state_root, desc.collection,
-                                                                 desc.build_id, name))
+                                                                 desc.build_id, name), files)
         self._lock = lock_state(self.state_dir)
         knobs = SearchKnobs(**desc.search_defaults) if desc.search_defaults else SearchKnobs()
-        files = desc.shard_files.get(name, {})
         self.dense = DenseIndex.load(self.build_dir, desc.metric, files, knobs, device, shard_no)
         if self.dense.dim != desc.dim:
             raise FailedPrecondition(f"{self.build_dir}: index dim {self.dense.dim} != descriptor {desc.dim}")
@@ -157,6 +158,10 @@ class ShardIndex:
             self.tenant_dense[tenant] = DenseIndex.load(tdir, desc.metric, files.get(f"tenants/{tenant}"),
                                                         knobs, device, shard_no)
         vectors_path = self.build_dir / "vectors.npy"
+        problem = recorded_file_problem(vectors_path, files["vectors.npy"]) if (
+            "vectors.npy" in files) else None
+        if problem:  # exact search, audits and compaction read these rows as the truth
+            raise IndexCorruptError(f"vector file {vectors_path} {problem}")
         try:
             base = np.load(vectors_path, mmap_mode="r") if vectors_path.is_file() else None
         except (ValueError, OSError) as exc:  # truncated: "mmap length is greater than file size"

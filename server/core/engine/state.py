@@ -22,9 +22,10 @@ import os
 import shutil
 import sqlite3
 from pathlib import Path
+from typing import Optional
 
 from server.backends.docstore import read_only_uri
-from server.errors import FailedPrecondition
+from server.errors import FailedPrecondition, IndexCorruptError
 
 READY = "STATE_READY"
 TANTIVY_LOCKS = (".tantivy-writer.lock", ".tantivy-meta.lock")
@@ -50,10 +51,15 @@ def check_writable(directory: Path, what: str = "state directory") -> Path:
     return directory
 
 
-def prepare(build_shard: Path, state_shard: Path) -> Path:
-    """Make `state_shard` from `build_shard` unless it is there already; returns it."""
+def prepare(build_shard: Path, state_shard: Path, files: Optional[dict] = None) -> Path:
+    """Make `state_shard` from `build_shard` unless it is there already; returns it. The build's
+    document store and BM25 files are checked against what the build recorded of them (`files`,
+    the descriptor's shard_files) before they are copied: a damaged build is refused by name,
+    never served."""
     if (state_shard / READY).is_file():
         return state_shard
+    _check_recorded(build_shard, {k: v for k, v in (files or {}).items()
+                                  if k in ("docstore.sqlite", "lexical")})
     parent = check_writable(state_shard.parent)
     with open(parent / f".{state_shard.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two processes opening one shard's state: one copies
@@ -75,9 +81,19 @@ def prepare(build_shard: Path, state_shard: Path) -> Path:
     return state_shard
 
 
-def _copy_store(src: Path, dst: Path) -> None:
-    from server.errors import IndexCorruptError
+def _check_recorded(base: Path, files: dict) -> None:
+    from server.backends.dense import recorded_file_problem
 
+    for name, want in files.items():
+        if "bytes" not in want:  # a directory's files
+            _check_recorded(base / name, want)
+            continue
+        problem = recorded_file_problem(base / name, want)
+        if problem:
+            raise IndexCorruptError(f"build file {base / name} {problem}")
+
+
+def _copy_store(src: Path, dst: Path) -> None:
     if not src.is_file():
         raise IndexCorruptError(f"missing document store {src}")
     source = sqlite3.connect(read_only_uri(src), uri=True)
@@ -94,8 +110,6 @@ def _copy_store(src: Path, dst: Path) -> None:
 
 def _link_tree(src: Path, dst: Path) -> None:
     if not src.is_dir():
-        from server.errors import IndexCorruptError
-
         raise IndexCorruptError(f"missing lexical index {src}")
     dst.mkdir()
     for entry in src.iterdir():
