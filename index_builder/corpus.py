@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -33,11 +34,35 @@ def _check_unicode(value, field: str) -> None:
                              f"{exc.start})") from None
 
 
+def check_document(doc: Document) -> None:
+    """The write API's rules (ids, versions, sizes, metadata, ACL scopes, tenant): a build takes
+    no document that UpsertDocument would refuse, or that could then never be replaced or
+    deleted. Raises ValueError."""
+    from server.core import limits
+    from server.core.validation import NAME, check_doc, check_metadata
+    from server.errors import InvalidArgument
+
+    try:
+        check_doc(doc.doc_id, doc.version)
+        check_metadata(doc.metadata, doc.acl)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+    if len(doc.text) > limits.MAX_DOC_TEXT_CHARS:
+        raise ValueError(f"text is {len(doc.text)} characters; the cap is {limits.MAX_DOC_TEXT_CHARS}")
+    if len(doc.title) > limits.MAX_TITLE_CHARS:
+        raise ValueError(f"title exceeds {limits.MAX_TITLE_CHARS} characters")
+    if not NAME.match(doc.tenant):
+        raise ValueError(f"tenant {doc.tenant!r} must match {NAME.pattern}")
+
+
 def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Document]:
-    """Yield documents; a malformed line raises ValueError naming the file and line."""
+    """Yield documents; a malformed line raises ValueError naming the file and line. A document
+    with neither text nor title is skipped (nothing could find it; the write API refuses one),
+    and the skips are reported on stderr."""
     path = Path(path)
     if path.is_dir():
         path = path / "corpus.jsonl"
+    skipped: list[str] = []
     with open(path, "rb") as f:  # decoded line by line: a bad byte is reported with its line
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -59,12 +84,24 @@ def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Documen
                     raise ValueError("vector must be a non-empty list of numbers")
                 for field in ("text", "title"):
                     _check_unicode(obj.get(field), field)
-                yield Document(str(doc_id), str(obj["text"]), str(obj.get("title") or ""),
+                version = obj.get("version") or 1
+                if isinstance(version, (bool, float)) or not str(version).lstrip("-").isdigit():
+                    raise ValueError(f"version must be an integer, not {version!r}")
+                version = int(version)
+                doc = Document(str(doc_id), str(obj["text"]), str(obj.get("title") or ""),
                                {str(k): str(v) for k, v in meta.items()},
                                str(obj.get("tenant") or default_tenant), tuple(str(a) for a in acl),
-                               int(obj.get("version") or 1), vector)
+                               version, vector)
+                check_document(doc)
             except ValueError as exc:
                 raise ValueError(f"{path}:{lineno}: {exc}") from None
+            if not (doc.text.strip() or doc.title.strip()):
+                skipped.append(f"{path}:{lineno} ({doc.doc_id!r})")
+                continue
+            yield doc
+    if skipped:
+        print(f"index-builder: skipped {len(skipped)} document(s) with neither text nor title: "
+              f"{', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}", file=sys.stderr)
 
 
 # Modules whose import has no side effects and whose docstrings are worth searching.

@@ -107,6 +107,42 @@ def test_bad_corpus_lines_and_factories_are_clear_errors(tmp_path):
     assert not any((tmp_path / "x" / "builds").glob("*"))  # no half build left behind
 
 
+@pytest.mark.parametrize("line,problem", [
+    ({"id": "x" * 600, "text": "t"}, "doc_id must be 1..512 printable"),
+    ({"id": "", "text": "t"}, "doc_id must be 1..512 printable"),
+    ({"id": "a\tb", "text": "t"}, "doc_id must be 1..512 printable"),
+    ({"id": "1", "text": "t", "version": -3}, "version must be between 1"),
+    ({"id": "1", "text": "t", "version": 2 ** 63}, "version must be between 1"),
+    ({"id": "1", "text": "t", "version": 1.5}, "version must be an integer"),
+    ({"id": "1", "text": "t" * 1_000_001}, "the cap is 1000000"),
+    ({"id": "1", "text": "t", "metadata": {"bad key!": "v"}}, "metadata key"),
+    ({"id": "1", "text": "t", "acl": ["no spaces"]}, "acl"),
+    ({"id": "1", "text": "t", "tenant": "bad tenant"}, "tenant 'bad tenant' must match"),
+])
+def test_the_builder_refuses_what_the_write_api_refuses(tmp_path, line, problem):
+    """Outside QA: the builder took ids, versions and sizes that UpsertDocument and
+    DeleteDocument refuse, so such a document could never be replaced or deleted; 2^63 failed
+    with a traceback."""
+    from index_builder.corpus import read_corpus
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "ok", "text": "fine"}) + "\n" + json.dumps(line) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{corpus}:2: ") + ".*" + re.escape(problem)):
+        list(read_corpus(corpus))
+
+
+def test_a_document_with_neither_text_nor_title_is_skipped_and_reported(tmp_path, capsys):
+    """Outside QA: such documents were counted in the build's documents but never indexed, so
+    DescribeCollection and CollectionStats disagreed; the write API refuses them."""
+    from index_builder.corpus import read_corpus
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in (
+        {"id": "a", "text": "some text"}, {"id": "b", "text": "  "}, {"id": "c", "text": "", "title": "T"})))
+    assert [d.doc_id for d in read_corpus(corpus)] == ["a", "c"]
+    assert f"skipped 1 document(s) with neither text nor title: {corpus}:2 ('b')" in capsys.readouterr().err
+
+
 def test_undecodable_corpus_lines_name_their_file_and_line(tmp_path):
     """Regression (outside QA): a byte that is not UTF-8 was reported without file or line, and a
     lone surrogate (a JSON escape no UTF-8 text can hold) failed later in the tokenizer with a
