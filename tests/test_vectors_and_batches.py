@@ -599,3 +599,21 @@ def test_an_l2_collection_fuses_and_reports_scores_higher_is_better(tmp_path):
             assert rrf.hits[0].doc_id == f"e{i}" and rrf.hits[0].dense.rank == 1
     finally:
         srv.stop()
+
+
+def test_canary_check_of_your_own_vectors_checks_lexical_and_names_what_it_skipped(vec_server):
+    """Outside QA: on a server without an embedding model (your own vectors) the canary check
+    died on its first dense text query with a traceback and exit 1, the status of a leak. It now
+    checks what the server can answer (lexical), says which modes it could not and why, and a
+    failure to check at all is an error (exit 2), never a verdict."""
+    from index_builder.canary import find_leaks
+
+    srv, _ = vec_server
+    skipped: dict = {}
+    queries, leaks = find_leaks(srv.address, "vec", [{"tenant": "default", "token": "-"}],
+                                ["zyxvec7"], skipped=skipped)
+    assert set(skipped) == {"DENSE", "HYBRID"} and all(skipped.values())
+    assert queries > 0 and leaks and all("LEXICAL" in leak for leak in leaks)  # v7 holds it
+    with pytest.raises(ValueError, match="NOT_FOUND"):
+        find_leaks(srv.address, "no-such-collection", [{"tenant": "default", "token": "-"}],
+                   ["zyxvec7"])
