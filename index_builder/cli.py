@@ -235,8 +235,9 @@ def cmd_audit(args) -> int:
     from server.core.collection import CollectionStore
 
     store = CollectionStore(args.data_dir)
-    builds = store.builds(args.collection)
-    build = args.build or (builds[-1] if builds else None)
+    builds = store.builds(args.collection)  # the newest by creation time, not by name
+    build = args.build or (max(builds, key=lambda b: store.descriptor(args.collection, b).created_at)
+                           if builds else None)
     if build is None:
         print(f"collection {args.collection!r} has no builds under {args.data_dir}", file=sys.stderr)
         return 2
@@ -286,10 +287,13 @@ def cmd_list(args) -> int:
     from server.core.collection import CollectionStore
 
     store = CollectionStore(args.data_dir)
-    names = [args.collection] if args.collection else store.collections()
+    names = [args.collection] if args.collection else store.collections(unpublished=True)
     for name in names:
-        live = store.alias(name).get("live")
-        print(name)
+        if not store.builds(name):
+            print(f"collection {name!r} has no builds under {args.data_dir}", file=sys.stderr)
+            return 2
+        live = store.alias(name).get("live") if name in store.collections() else None
+        print(name if live else f"{name}  (not published)")
         for b in store.builds(name):
             d = store.descriptor(name, b)
             audit = f"recall@{d.audit['k']}={d.audit['recall']:.3f}" if d.audit else "not audited"

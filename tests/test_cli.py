@@ -52,6 +52,28 @@ def test_audit_command_reports_json_and_passes(built):
     assert audit["queries"] == 50 and audit["reconciliation"]["passed"]
 
 
+def test_list_shows_unpublished_builds_and_audit_defaults_to_the_newest(tmp_path, tiny_embedder,
+                                                                        cranfield_docs):
+    """Outside QA: `list` left out collections with no published build (and `list --collection`
+    failed on them), and `audit` without --build took the last build id by name, not the
+    newest build."""
+    from index_builder.build import build_collection
+    from server.core.collection import CollectionStore
+
+    store = CollectionStore(tmp_path)
+    for build_id in ("zz-older", "aa-newer"):
+        build_collection(cranfield_docs[:20], store, "waiting", tiny_embedder, "Flat", quiet=True,
+                         build_id=build_id)
+    listing = cli("list", "--data-dir", tmp_path)
+    assert listing.returncode == 0, listing.stderr
+    assert "waiting  (not published)" in listing.stdout and "zz-older" in listing.stdout
+    assert cli("list", "--data-dir", tmp_path, "--collection", "waiting").stdout == listing.stdout
+    out = cli("audit", "--data-dir", tmp_path, "--collection", "waiting", "--queries", 10)
+    assert out.returncode == 0, out.stderr
+    assert store.descriptor("waiting", "aa-newer").audit and not store.descriptor(
+        "waiting", "zz-older").audit
+
+
 def test_the_live_build_is_not_retuned_under_its_servers(built):
     """Regression (outside QA): `audit --target-recall` on the live build rewrote the published
     build's search knobs; running servers kept the old ones (they load them on a switch) while

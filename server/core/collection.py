@@ -151,10 +151,13 @@ class CollectionStore:
     def build_dir(self, name: str, build_id: str) -> Path:
         return self.collection_dir(name) / "builds" / check_name(build_id, "build")
 
-    def collections(self) -> list[str]:
+    def collections(self, unpublished: bool = False) -> list[str]:
+        """Published collections; with `unpublished`, also those with builds but no alias yet."""
         if not self.data_dir.is_dir():
             return []
-        return sorted(p.name for p in self.data_dir.iterdir() if (p / "ALIAS").is_file())
+        return sorted(p.name for p in self.data_dir.iterdir()
+                      if (p / "ALIAS").is_file() or (unpublished and NAME.match(p.name)
+                                                     and self.builds(p.name)))
 
     def builds(self, name: str) -> list[str]:
         d = self.collection_dir(name) / "builds"
