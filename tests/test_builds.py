@@ -323,6 +323,29 @@ def test_two_publishes_while_the_server_is_down_keep_every_write(two_builds, tin
         srv.stop()
 
 
+def test_two_switches_to_the_same_flip_take_turns(two_builds, tiny_embedder):
+    """Outside QA: a compaction's own switch and the alias watcher's (which saw the same flip)
+    both opened the new build's state, and one logged "state in use by pid N" - its own pid.
+    Switches of a collection now take turns; the second finds the build already served."""
+    from index_builder.build import audit_build
+
+    store, a, b = two_builds
+    audit_build(store, "c", b.build_id)
+    srv = start_core_server(store.data_dir, tiny_embedder)
+    try:
+        store.publish("c", b.build_id)
+
+        async def both():
+            return await asyncio.gather(srv.core.builds.switch_build("c"),
+                                        srv.core.builds.switch_build("c"))
+
+        first, second = run(srv, both())
+        assert (first["switched"], second["switched"]) == (True, False)
+        assert srv.core.registry.get("c").desc.build_id == b.build_id
+    finally:
+        srv.stop()
+
+
 def test_a_rollback_past_two_compactions_keeps_every_write(two_builds, tiny_embedder):
     """Regression (outside QA): rolling back to the build served before two compactions brought
     back an old version and a deleted document and lost a write: only the last build's log was

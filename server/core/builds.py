@@ -50,6 +50,7 @@ class BuildManager:
         self.pools = pools
         self.device = device
         self._retired: dict[tuple[str, str], tuple[asyncio.Task, LoadedCollection]] = {}
+        self._switching: dict[str, asyncio.Lock] = {}
         self.on_switch = None  # async callback(collection) after a switch (an engine tells its front ends)
 
     # --- loading -----------------------------------------------------------------------------
@@ -234,7 +235,14 @@ class BuildManager:
         return ShardWrite(e.op, e.tenant, e.doc_id, e.version, e.body, chunks, vectors)
 
     async def switch_build(self, name: str, build_id: Optional[str] = None) -> dict:
-        """Serve `build_id` (default: the alias's live build) in place of the current build."""
+        """Serve `build_id` (default: the alias's live build) in place of the current build. One
+        switch of a collection at a time: a compaction's own switch and the alias watcher's, which
+        saw the same flip, would otherwise both open the new build's state (and one fail)."""
+        lock = self._switching.setdefault(name, asyncio.Lock())
+        async with lock:
+            return await self._switch_build(name, build_id)
+
+    async def _switch_build(self, name: str, build_id: Optional[str]) -> dict:
         old = self.registry.get(name)
         build_id = build_id or self.store.live_build(name)
         if build_id == old.desc.build_id:
