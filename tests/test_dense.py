@@ -211,3 +211,46 @@ def test_a_graph_search_deeper_than_its_ef_searches_with_ef_k(data):
     _, top10 = idx.search(q[:50], 10)  # a page within ef keeps the tuned ef
     _, want10 = raw.search(q[:50], 10, params=faiss.SearchParametersHNSW(efSearch=16))
     assert np.array_equal(top10, want10)
+
+
+def test_an_ivf_page_the_tuned_nprobe_leaves_short_is_filled(tmp_path):
+    """Outside QA: IVF32 with nprobe 1 answered top_k=300 with 165 hits (the one probed list
+    held 165), while a filter every document passed - the restricted path - returned 300. The
+    short queries now probe every list: IVF-Flat then answers the exact top-k."""
+    import asyncio
+
+    import faiss
+
+    from conftest import make_core
+    from index_builder.build import audit_build, build_collection
+    from index_builder.corpus import Document
+    from server.core.collection import CollectionStore
+    from server.core.types import SearchQuery
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2000, 16)).astype(np.float32)
+    faiss.normalize_L2(x)
+    store = CollectionStore(tmp_path)
+    desc = build_collection([Document(f"d{i}", f"doc {i}") for i in range(len(x))], store, "ivf",
+                            None, "IVF32,Flat", quiet=True, vectors=x, model_id="m",
+                            search_defaults={"nprobe": 1})
+    audit_build(store, "ivf", desc.build_id, min_recall=0.0)
+    store.publish("ivf", desc.build_id)
+    exact = faiss.IndexFlatIP(16)
+    exact.add(x)
+    q = x[:3] + 0.1
+    faiss.normalize_L2(q)
+    _, want = exact.search(q, 300)
+    core = make_core(tmp_path, pipeline={"retrieval_cache_size": 0})
+    core.load()
+
+    async def go():
+        await core.start()
+        try:
+            return [await core.search(SearchQuery("ivf", vector=v, vector_model_id="m", top_k=300,
+                                                  mode="dense"), "default") for v in q]
+        finally:
+            await core.close()
+
+    for r, row in zip(asyncio.run(go()), want):
+        assert [h.candidate.record.doc_id for h in r.hits] == [f"d{i}" for i in row]

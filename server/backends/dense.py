@@ -182,6 +182,14 @@ class DenseIndex:
         scores[rows < 0] = -np.inf
         return scores, rows
 
+    def exhaustive_knobs(self) -> Optional[SearchKnobs]:
+        """Knobs that probe every inverted list of an IVF index (None for other indexes): a page
+        the tuned nprobe left short - its lists held fewer than k vectors - is filled by them."""
+        inner = _unwrap(self.cpu_index)
+        if isinstance(inner, faiss.IndexIVF) and self.knobs.nprobe < inner.nlist:
+            return replace(self.knobs, nprobe=int(inner.nlist))
+        return None
+
     def add(self, vectors: np.ndarray, chunk_ids: np.ndarray) -> int:
         """Append rows (streaming upserts); returns the first new row number."""
         first = self.ntotal

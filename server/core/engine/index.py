@@ -10,7 +10,8 @@ applied inside both searches, never after them:
 - dense: a bitmap selector (faiss IDSelectorBitmap) over the shard's rows; when the allowed set is
   small (<= max(2,000 rows, 1% of the shard), capped at 20,000) it is searched exactly by brute
   force over just those rows, and an ANN search that returns fewer results than the allowed set
-  could fill is redone exactly, so a tiny tenant or a selective filter still gets a full page;
+  could fill is redone exactly, so a tiny tenant or a selective filter still gets a full page (an
+  unrestricted IVF page left short by a small nprobe is redone probing every list);
 - a tenant with a dedicated index (built for tenants above a size threshold) is searched in it,
   plus exactly over its rows added since the build;
 - lexical: MUST clauses on tenant, ACL and metadata terms (and the row set for range filters),
@@ -331,6 +332,12 @@ class ShardIndex:
             redo = exact_search(self.vectors, allowed.rows, queries[short], k, metric)
             for i, (s, r) in zip(short, redo):
                 found[i] = list(zip(r.tolist(), s.tolist()))
+        elif short and allowed is None and (wide := self.dense.exhaustive_knobs()) is not None:
+            # IVF whose probed lists held fewer than k vectors (a deep page, a small nprobe):
+            # those queries probe every list, so a page is short only when the shard is
+            scores, rows = self.dense.search(queries[short], k, None, wide)
+            for i, rr, ss in zip(short, rows.tolist(), scores.tolist()):
+                found[i] = [(r, s) for r, s in zip(rr, ss) if r >= 0]
         return found
 
     def _dedicated_search(self, sub: DenseIndex, queries: np.ndarray, k: int,
