@@ -288,10 +288,10 @@ def cmd_list(args) -> int:
 
     store = CollectionStore(args.data_dir)
     names = [args.collection] if args.collection else store.collections(unpublished=True)
+    if args.collection and not store.builds(args.collection):
+        print(f"collection {args.collection!r} has no builds under {args.data_dir}", file=sys.stderr)
+        return 2
     for name in names:
-        if not store.builds(name):
-            print(f"collection {name!r} has no builds under {args.data_dir}", file=sys.stderr)
-            return 2
         live = store.alias(name).get("live") if name in store.collections() else None
         print(name if live else f"{name}  (not published)")
         for b in store.builds(name):

@@ -323,6 +323,26 @@ def test_two_publishes_while_the_server_is_down_keep_every_write(two_builds, tin
         srv.stop()
 
 
+def test_a_collection_first_served_by_the_alias_watcher_records_what_it_serves(two_builds,
+                                                                                tiny_embedder,
+                                                                                cranfield_docs):
+    """Review: the SERVED marker (the start-up replay's source) was written at a start and a
+    switch, not when a running server picked up a newly published collection, so two publishes
+    while it was down lost that collection's writes as before the marker."""
+    from conftest import publish_build
+
+    store, _, _ = two_builds
+    srv = start_core_server(store.data_dir, tiny_embedder)
+    try:
+        d = publish_build(store.data_dir, "d", cranfield_docs[:10], tiny_embedder)
+        run(srv, srv.core.builds._load_new_collections())
+        assert srv.core.registry.get("d").desc.build_id == d.build_id
+        served = srv.core.config.storage.resolved_state_dir() / "d" / "SERVED"
+        assert served.read_text() == d.build_id
+    finally:
+        srv.stop()
+
+
 def test_two_switches_to_the_same_flip_take_turns(two_builds, tiny_embedder):
     """Outside QA: a compaction's own switch and the alias watcher's (which saw the same flip)
     both opened the new build's state, and one logged "state in use by pid N" - its own pid.

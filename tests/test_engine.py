@@ -328,13 +328,14 @@ def test_recovery_deletes_a_cut_off_groups_pending_rows_and_orphans_earlier_ones
     store.insert_chunks([ChunkRecord(r, 100 + r, f"d{r}", 0, 0, 1, "", "x", "t", {}, ("@all",), r)
                          for r in range(6)])
     store._conn().execute("UPDATE chunks SET live=0 WHERE row IN (2, 4, 5)")  # 2: mid, 4-5: tail
-    assert store.drop_pending_tail() == [4, 5]
+    assert store.pending_tail() == [4, 5]
+    store.delete_rows_from(4)
     assert store.next_row() == 4
     assert store.orphan_pending() == 1
     states = dict(store._conn().execute("SELECT row, live FROM chunks").fetchall())
     assert {r: STATE_NAMES[v] for r, v in states.items()} == {
         0: "live", 1: "live", 2: "orphan", 3: "live"}
-    assert store.drop_pending_tail() == []  # nothing pending left
+    assert store.pending_tail() == []  # nothing pending left
     store.close()
 
 

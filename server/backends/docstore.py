@@ -337,22 +337,22 @@ class DocStore:
 
         return self._transaction(run)
 
-    def drop_pending_tail(self) -> list[int]:
-        """Recovery: the pending rows after the last settled row (a group whose flip a crash cut
-        off) are deleted, so the next write numbers its rows as if that group had never run.
-        Replicas of a shard apply the same log from the same build, and rows are how a router
-        fetches texts and vectors from any replica: a crash must not shift one replica's rows
-        against its siblings'. Returns the rows deleted."""
-        def run(conn):
-            settled = conn.execute(f"SELECT max(row) FROM chunks WHERE live != {PENDING}").fetchone()[0]
-            rows = [r[0] for r in conn.execute(
-                f"SELECT row FROM chunks WHERE live={PENDING} AND row > ?",
-                (-1 if settled is None else settled,))]
-            if rows:
-                conn.execute(f"DELETE FROM chunks WHERE live={PENDING} AND row >= ?", (min(rows),))
-            return rows
+    def pending_tail(self) -> list[int]:
+        """Recovery: the pending rows after the last settled row - a group whose flip a crash cut
+        off. Deleted (`delete_rows_from`), so the next write numbers its rows as if that group had
+        never run: replicas of a shard apply the same log from the same build, and rows are how a
+        router fetches texts and vectors from any replica, so a crash must not shift one
+        replica's rows against its siblings'."""
+        conn = self._conn()
+        settled = conn.execute(f"SELECT max(row) FROM chunks WHERE live != {PENDING}").fetchone()[0]
+        return [r[0] for r in conn.execute(
+            f"SELECT row FROM chunks WHERE live={PENDING} AND row > ? ORDER BY row",
+            (-1 if settled is None else settled,))]
 
-        return self._transaction(run)
+    def delete_rows_from(self, first: int) -> None:
+        """Delete every row from `first` on (only ever a pending tail: see pending_tail)."""
+        self._transaction(lambda conn: conn.execute(
+            f"DELETE FROM chunks WHERE row >= ? AND live={PENDING}", (first,)))
 
     def orphan_pending(self) -> int:
         """Recovery: pending rows whose flip never happened and that later rows follow (a group

@@ -91,11 +91,14 @@ class BuildManager:
         source, not the alias's `previous`, which may never have served), or the server stopped
         mid-switch."""
         for loaded in self.registry:
-            name, builds = loaded.name, self.store.builds(loaded.name)
-            sources = [self._last_served(name), self.store.alias(name).get("previous")]
-            for source in dict.fromkeys(b for b in sources if b and b in builds):
-                await self.replay(name, source, loaded)
-            self._mark_served(name, loaded.desc.build_id)
+            await self._catch_up(loaded)
+
+    async def _catch_up(self, loaded: LoadedCollection) -> None:
+        name, builds = loaded.name, self.store.builds(loaded.name)
+        sources = [self._last_served(name), self.store.alias(name).get("previous")]
+        for source in dict.fromkeys(b for b in sources if b and b in builds):
+            await self.replay(name, source, loaded)
+        self._mark_served(name, loaded.desc.build_id)
 
     SERVED = "SERVED"  # <state>/<collection>/SERVED: the build this state served last
 
@@ -254,8 +257,8 @@ class BuildManager:
             replayed = await self.replay(name, old.desc.build_id, new)
             async with self.writes.gate(name).exclusive():
                 replayed += await self.replay(name, old.desc.build_id, new)
+                self._mark_served(name, build_id)  # (before the swap: if it fails, nothing moved)
                 self.registry.put(new)
-                self._mark_served(name, build_id)
         except BaseException:
             await asyncio.gather(*(s.close() for s in new.shards))
             raise
@@ -298,7 +301,7 @@ class BuildManager:
         except FailedPrecondition:
             shutil.rmtree(self.store.build_dir(name, desc.build_id), ignore_errors=True)
             raise
-        switched = await self.switch_build(name, desc.build_id)
+        switched = await self.switch_build(name)  # the alias's: an operator's later publish wins
         return {"build_id": desc.build_id, "previous": coll.desc.build_id, "rows_before": before,
                 "rows_after": desc.chunks, "replayed": switched["replayed"],
                 "seconds": time.perf_counter() - t0}
@@ -326,6 +329,12 @@ class BuildManager:
                 loaded = await asyncio.get_running_loop().run_in_executor(None, self.open_build, name)
             except (SearchError, OSError, ValueError) as exc:
                 log.error("cannot serve newly published collection %s: %s", name, exc)
+                continue
+            try:
+                await self._catch_up(loaded)  # as at a start: this state may have served it
+            except (SearchError, OSError) as exc:
+                log.error("cannot serve newly published collection %s: %s", name, exc)
+                await asyncio.gather(*(s.close() for s in loaded.shards))
                 continue
             self.registry.put(loaded)
             log.info("serving newly published collection %s build %s (%d shards)", name,

@@ -112,11 +112,13 @@ class ReplicatedWriteLog:
             raise FailedPrecondition(self.broken)
         message = shard_write_to_pb(write, collection, write.model_id)
         payload = message.SerializeToString()
-        if len(payload) > self.js.max_payload:  # refused here, with the way out, not as INTERNAL
+        # the server counts the headers too (message id, expected stream): a margin for them
+        if len(payload) + HEADER_ALLOWANCE > self.js.max_payload:  # refused here, not as INTERNAL
             raise InvalidArgument(
                 f"this write's log entry (text, chunk texts and vectors) is {len(payload):,} "
-                f"bytes; the write log takes at most {self.js.max_payload:,} (the NATS server's "
-                f"max_payload): raise max_payload (deploy/ and scripts/nats.sh set 8 MB) or "
+                f"bytes; the write log takes at most {self.js.max_payload - HEADER_ALLOWANCE:,} "
+                f"(the NATS server's max_payload of {self.js.max_payload:,} less "
+                f"{HEADER_ALLOWANCE:,} for headers): raise max_payload (deploy/ and scripts/nats.sh set 8 MB) or "
                 f"split the document")
         result = await self.js.publish(shard, payload, msg_id, self.config.publish_timeout_s)
         if not result.duplicate:
@@ -132,6 +134,9 @@ class ReplicatedWriteLog:
 
     async def close(self) -> None:
         await self.js.close()
+
+
+HEADER_ALLOWANCE = 1024  # bytes kept for an append's headers within the server's max_payload
 
 
 def _same_write(held: bytes, message) -> bool:

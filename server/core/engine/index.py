@@ -39,8 +39,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from server.backends.dense import (DenseIndex, RowFilter, SearchKnobs, exact_search,
-                                   recorded_file_problem)
+from server.backends.dense import DenseIndex, RowFilter, SearchKnobs, exact_search
 from server.backends.device import Device
 from server.backends.docstore import (PUBLIC_ACL, ChunkRecord, DocStore, FlipEntry,
                                       chunk_fingerprint)
@@ -159,10 +158,6 @@ class ShardIndex:
             self.tenant_dense[tenant] = DenseIndex.load(tdir, desc.metric, files.get(f"tenants/{tenant}"),
                                                         knobs, device, shard_no)
         vectors_path = self.build_dir / "vectors.npy"
-        problem = recorded_file_problem(vectors_path, files["vectors.npy"]) if (
-            "vectors.npy" in files) else None
-        if problem:  # exact search, audits and compaction read these rows as the truth
-            raise IndexCorruptError(f"vector file {vectors_path} {problem}")
         try:
             base = np.load(vectors_path, mmap_mode="r") if vectors_path.is_file() else None
         except (ValueError, OSError) as exc:  # truncated: "mmap length is greater than file size"
@@ -201,9 +196,11 @@ class ShardIndex:
     # --- load-time recovery ------------------------------------------------------------------
     def _recover(self) -> dict:
         """Rebuild in-memory state from the store (the authority) after any stop, clean or not."""
-        dropped = self.store.drop_pending_tail()
-        if dropped:  # a crash's staged BM25 commit may hold them: out before their rows return
-            self.lexical.delete_rows(dropped)
+        dropped = self.store.pending_tail()
+        if dropped:  # a crash's staged BM25 commit may hold them: out of BM25 first (idempotent:
+            self.lexical.delete_rows(dropped)  # a crash before the store's delete redoes both)
+            crash_point("recovery_after_lexical_drop")
+            self.store.delete_rows_from(dropped[0])
         orphaned = self.store.orphan_pending()
         base_n = self.dense.ntotal
         rows, ids, vecs = self.store.added_vectors(base_n)
@@ -223,7 +220,7 @@ class ShardIndex:
                 self.text_hash[row] = th
         # a shard that took streaming writes is checked row by row (a count can balance an extra
         # row against a missing one); an untouched build was reconciled by its audit
-        touched = len(rows) > 0 or self.store.last_write_seq() > 0
+        touched = len(rows) > 0 or self.store.last_write_seq() > 0 or bool(dropped)
         repaired = self.check_lexical("at load", full=touched)
         return {"dropped_pending": len(dropped), "orphaned": orphaned,
                 "replayed_rows": int(len(rows)), "purged": len(purge), "lexical_repaired": repaired}

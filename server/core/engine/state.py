@@ -53,13 +53,14 @@ def check_writable(directory: Path, what: str = "state directory") -> Path:
 
 def prepare(build_shard: Path, state_shard: Path, files: Optional[dict] = None) -> Path:
     """Make `state_shard` from `build_shard` unless it is there already; returns it. The build's
-    document store and BM25 files are checked against what the build recorded of them (`files`,
-    the descriptor's shard_files) before they are copied: a damaged build is refused by name,
-    never served."""
+    files a shard reads beside the faiss index (checked at every load) - exact vectors, document
+    store, BM25 segments - are checked against what the build recorded of them (`files`, the
+    descriptor's shard_files) once, before the state is made from them: a damaged build is
+    refused by name, never served."""
     if (state_shard / READY).is_file():
         return state_shard
     _check_recorded(build_shard, {k: v for k, v in (files or {}).items()
-                                  if k in ("docstore.sqlite", "lexical")})
+                                  if k in ("vectors.npy", "docstore.sqlite", "lexical")})
     parent = check_writable(state_shard.parent)
     with open(parent / f".{state_shard.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two processes opening one shard's state: one copies
