@@ -129,6 +129,39 @@ def test_a_cancelled_or_expired_query_is_dropped_before_the_index_call(engine_bu
     assert metrics.ENGINE_DROPPED.labels(*labels, "deadline")._value.get() >= expired0 + 1
 
 
+def test_a_statistics_round_or_fetch_past_its_budget_is_a_deadline_not_an_engine_fault(
+        engine_build):
+    """Outside QA (`serve --workers`): a statistics round that ran out of its budget raised a
+    bare TimeoutError, which the engine process logged as a bug with a traceback and sent on as
+    "engine error". The shard interface now answers DEADLINE_EXCEEDED, as for a search."""
+    from server.core.types import FetchRequest, ShardQuery
+    from server.errors import DeadlineExceeded
+
+    data, desc = engine_build
+    shard, pools = open_shard(data, desc)
+    gate = threading.Event()
+    inner_stats, inner_fetch = shard.index.term_stats, shard.index.fetch
+    shard.index.term_stats = lambda qs: (gate.wait(30), inner_stats(qs))[1]
+    shard.index.fetch = lambda req: (gate.wait(30), inner_fetch(req))[1]
+    stats = ShardQuery(desc.build_id, "alpha", None, desc.model_id, "flow", 0, 10, stats_only=True)
+
+    async def go():
+        with pytest.raises(DeadlineExceeded, match="statistics round"):
+            await shard.search([stats], timeout=0.05)
+        with pytest.raises(DeadlineExceeded, match="fetch"):
+            await shard.fetch(FetchRequest(desc.build_id, "alpha", (), (0, 1)), timeout=0.05)
+        gate.set()
+        return await shard.search([stats], timeout=10)
+
+    try:
+        answer = asyncio.run(go())[0]
+    finally:
+        gate.set()
+        asyncio.run(shard.close())
+        pools.close()
+    assert answer.term_stats is not None and answer.term_stats.docs > 0
+
+
 def test_mixed_restrictions_never_share_a_batch(engine_build, rng):
     data, desc = engine_build
     shard, pools = open_shard(data, desc)

@@ -178,8 +178,12 @@ class LocalShard:
         if ok:
             fut = asyncio.get_running_loop().run_in_executor(
                 self.pools.cpu, self.index.term_stats, [queries[i] for i in ok])
-            for i, r in zip(ok, await (asyncio.wait_for(fut, timeout) if timeout is not None
-                                       else fut)):
+            try:
+                stats = await (asyncio.wait_for(fut, timeout) if timeout is not None else fut)
+            except asyncio.TimeoutError:  # the caller's budget, not an engine fault
+                raise DeadlineExceeded(f"shard {self.shard_no}: statistics round past its "
+                                       f"budget") from None
+            for i, r in zip(ok, stats):
                 answers[i] = r
         return answers
 
@@ -215,7 +219,10 @@ class LocalShard:
     async def fetch(self, request: FetchRequest, timeout: Optional[float] = None) -> list[Candidate]:
         validate_fetch(request)
         fut = asyncio.get_running_loop().run_in_executor(self.pools.cpu, self.index.fetch, request)
-        return await (asyncio.wait_for(fut, timeout) if timeout is not None else fut)
+        try:
+            return await (asyncio.wait_for(fut, timeout) if timeout is not None else fut)
+        except asyncio.TimeoutError:  # the caller's deadline, not an engine fault
+            raise DeadlineExceeded(f"shard {self.shard_no}: fetch past its deadline") from None
 
     async def apply(self, writes: Sequence[ShardWrite],
                     timeout: Optional[float] = None) -> list[WriteOutcome]:
