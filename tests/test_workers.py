@@ -136,6 +136,40 @@ def test_a_killed_engine_stops_every_front_end_and_no_search_hangs(small_collect
         time.sleep(0.2)
 
 
+def engine_metric(metrics_port: int, name: str, **labels) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_cancelled_call_stops_its_queued_work_in_the_engine(workers, cranfield_docs):
+    """Outside QA: under --workers a cancelled SearchBatch kept the engine busy for seconds (its
+    queries were all searched: none dropped), where one process drops them at once. A front end
+    now tells the engine when every caller of a message went away, and the engine's shards drop
+    the queued queries as cancelled."""
+    _, port, metrics = workers  # the engine's metrics port; the front ends' follow it
+    vocab = sorted({w for d in cranfield_docs for w in d.text.split() if w.isalpha() and len(w) > 3})
+    queries = [pb.SearchRequest(collection="cran", mode=pb.LEXICAL, top_k=10, text=" ".join(
+        vocab[(i * 37 + j) % len(vocab)] for j in range(900))[:8000]) for i in range(1024)]
+    before = engine_metric(metrics, "search_engine_dropped_total", reason="cancelled")
+    searched = engine_metric(metrics, "search_engine_batch_size_count")
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = pb_grpc.SearchServiceStub(ch).SearchBatch.future(
+            pb.SearchBatchRequest(queries=queries), timeout=300)
+        deadline = time.monotonic() + 60
+        while engine_metric(metrics, "search_engine_batch_size_count") == searched:  # busy yet?
+            assert time.monotonic() < deadline and not call.done(), "the engine never started"
+            time.sleep(0.005)  # (a poll interval: the loop waits for the condition)
+        call.cancel()
+    deadline = time.monotonic() + 60
+    while engine_metric(metrics, "search_engine_dropped_total", reason="cancelled") == before:
+        assert time.monotonic() < deadline, "the engine searched every cancelled query"
+        time.sleep(0.02)
+
+
 def test_sigterm_stops_the_engine_and_every_front_end(workers):
     proc, port, _ = workers
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
@@ -144,3 +178,4 @@ def test_sigterm_stops_the_engine_and_every_front_end(workers):
     assert proc.wait(60) == 0
     for pid in children:
         assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0
+

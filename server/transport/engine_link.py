@@ -38,6 +38,8 @@ from server.errors import SearchError, Unavailable
 log = logging.getLogger(__name__)
 _LEN = struct.Struct("!I")
 RESTARTS_PER_MINUTE = 5  # front-end exits the engine restarts before it stops the server
+CANCEL = "cancel"        # (request id,): a front end's caller went away before the answer
+CANCELLABLE = ("search", "fetch")  # reads only: a write, once sent, runs to its outcome
 
 
 async def _send(writer: asyncio.StreamWriter, obj: Any) -> None:
@@ -100,6 +102,7 @@ class EngineServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._clients.add(writer)
         lock = asyncio.Lock()
+        running: dict[int, asyncio.Task] = {}  # by request id: a front end may cancel them
 
         async def answer(req_id, op, args):
             try:
@@ -115,7 +118,14 @@ class EngineServer:
         try:
             while True:
                 req_id, op, args = await _recv(reader)
-                asyncio.get_running_loop().create_task(answer(req_id, op, args))
+                if op == CANCEL:  # its caller went away: the shards drop its queued queries
+                    task = running.get(args[0])
+                    if task is not None:
+                        task.cancel()
+                    continue
+                task = asyncio.get_running_loop().create_task(answer(req_id, op, args))
+                running[req_id] = task
+                task.add_done_callback(lambda _, r=req_id: running.pop(r, None))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -217,8 +227,21 @@ class EngineClient:
                     self._lose(f"the engine process went away ({exc})")
                     raise Unavailable(self.lost) from None
             return await (asyncio.wait_for(fut, timeout) if timeout is not None else fut)
+        except asyncio.CancelledError:
+            # (wait_for cancels `fut` itself as it goes: an answer is a result, not a cancel)
+            answered = fut.done() and not fut.cancelled()
+            if op in CANCELLABLE and not answered and self.lost is None:
+                asyncio.get_running_loop().create_task(self._cancel(req_id))
+            raise
         finally:
             self._waiting.pop(req_id, None)
+
+    async def _cancel(self, req_id: int) -> None:
+        try:
+            async with self._lock:
+                await _send(self._writer, (0, CANCEL, (req_id,)))
+        except (RuntimeError, OSError):
+            pass  # the link is gone: so is the engine's work for it
 
     async def close(self) -> None:
         self._closing = True
@@ -265,13 +288,24 @@ class EngineShard:
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
         timeout, self._timeout = self._timeout, None
+        pending = [(q, fut) for q, fut in pending if not fut.done()]  # callers gone this turn
         if not pending:
             return
         by_build: dict[str, list] = {}
         for q, fut in pending:
             by_build.setdefault(q.build_id, []).append((q, fut))
         for build_id, items in by_build.items():
-            asyncio.get_running_loop().create_task(self._send(build_id, items, timeout))
+            call = asyncio.get_running_loop().create_task(self._send(build_id, items, timeout))
+            left = [len(items)]
+
+            def gone(fut, call=call, left=left):  # every caller of the message went away
+                if fut.cancelled():
+                    left[0] -= 1
+                    if left[0] == 0:
+                        call.cancel()  # (the client tells the engine)
+
+            for _, fut in items:
+                fut.add_done_callback(gone)
 
     async def _send(self, build_id: str, items: list, timeout: Optional[float]) -> None:
         try:
