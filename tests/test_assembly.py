@@ -57,3 +57,67 @@ def test_a_duplicate_names_a_passage_the_answer_holds_never_a_dropped_one():
     assert [h.candidate.chunk_id for h in selected] == [3] and used == 2
     assert [(h.candidate.chunk_id, r) for h, r in dropped] == [
         (1, "over_token_budget:7>4"), (2, "over_token_budget:7>4"), (4, "duplicate_of:3")]
+
+
+def _served(tmp_path, embedder, docs, shards=1):
+    from conftest import make_core, publish_build
+
+    publish_build(tmp_path, "dup", docs, embedder, shards=shards)
+    core = make_core(tmp_path, embedder, pipeline={"retrieval_cache_size": 0})
+    core.load()
+    return core
+
+
+def _search(core, *requests):
+    """The answers to SearchQuery("dup", **kw) for each kw, in one run of the core."""
+    import asyncio
+
+    from server.core.types import SearchQuery
+
+    async def go():
+        await core.start()
+        try:
+            return [await core.search(SearchQuery("dup", **kw), "default") for kw in requests]
+        finally:
+            await core.close()
+
+    return asyncio.run(go())
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("mode,shards", [("lexical", 1), ("dense", 1), ("lexical", 3)])
+def test_duplicates_never_leave_a_single_retriever_page_short(tmp_path, tiny_embedder, mode,
+                                                              shards):
+    """Outside QA: a lexical or dense query read 2 x top_k candidates; when duplicates filled
+    them, de-duplication dropped them and nothing deeper was read: top_k 5 gave 1 hit (lexical)
+    or 2 (dense) where 7 distinct passages match. The retriever now reads deeper (4x, twice at
+    most) while its page is short and its list full."""
+    from index_builder.corpus import Document
+
+    same = "shock wave interaction with a boundary layer at supersonic speed"
+    docs = [Document(f"dup{i}", same) for i in range(30)]
+    docs += [Document(f"other{i}", f"shock tube experiment number {i} with a new nozzle {i * 7}")
+             for i in range(6)]
+    [r] = _search(_served(tmp_path, tiny_embedder, docs, shards),
+                  dict(text="shock", top_k=5, mode=mode))
+    ids = [h.candidate.record.doc_id for h in r.hits]
+    assert len(ids) == 5 and len({h.candidate.record.text for h in r.hits}) == 5
+    assert sum(i.startswith("dup") for i in ids) == 1
+    assert any("deep" in n for n in r.notes)
+
+
+def test_passages_over_the_token_budget_do_not_end_the_page_early(tmp_path, tiny_embedder):
+    """Outside QA: with a token budget the two long passages ranked first were dropped and the
+    page ended empty, though a short passage that fits ranked third (the proto promises later,
+    shorter hits may still fill the budget)."""
+    from index_builder.corpus import Document
+
+    docs = [Document(f"long{i}", "flutter " * 40 + f"of panel {i} under load") for i in range(2)]
+    docs += [Document("short", "flutter panel"), Document("filler", "heat transfer in a nozzle")]
+    unbudgeted, r = _search(_served(tmp_path, tiny_embedder, docs),
+                            dict(text="flutter", top_k=3, mode="lexical"),
+                            dict(text="flutter", top_k=1, mode="lexical", context_token_budget=10))
+    assert [h.candidate.record.doc_id for h in unbudgeted.hits] == ["long0", "long1", "short"]
+    assert [h.candidate.record.doc_id for h in r.hits] == ["short"]

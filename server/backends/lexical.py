@@ -4,7 +4,7 @@ Analyzer (documented and measured in docs/ARCHITECTURE.md): Unicode NFKC normali
 (so a decomposed "e" + combining accent, a ligature or a full-width letter index as the composed
 form a query types), then tantivy's `simple` tokenizer (splits on
 non-alphanumerics, so identifiers like NACA-TN-1234 become naca/tn/1234 and still match as terms),
-tokens over 40 chars dropped, lowercase, English stopwords removed, Snowball English stemming.
+tokens of 40 bytes or more dropped, lowercase, English stopwords removed, Snowball English stemming.
 Queries go through the same analyzer and become a disjunction of term queries over title and text,
 a repeated term boosted by 1 + ln(count); no query syntax is parsed, so user text can never change
 the query's structure.

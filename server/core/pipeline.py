@@ -634,12 +634,8 @@ class QueryPipeline:
             ranked = [RankedHit(by_id[cid], s, kind, dense_pos.get(cid), lex_pos.get(cid), (i + 1, s),
                                 fused_kind=kind)
                       for i, (cid, s) in enumerate(st.fused)]
-        elif st.mode == "dense":  # a single retriever: its rank is the position
-            ranked = [RankedHit(c, c.score, dense_kind, (i, c.score))
-                      for i, c in enumerate(st.dense, 1)]
         else:
-            ranked = [RankedHit(c, c.score, "bm25", None, (i, c.score))
-                      for i, c in enumerate(st.lexical, 1)]
+            ranked = self._single_ranking(st, dense_kind)
         pre_rerank = ranked
         if q.rerank_depth and ranked:
             self._check_deadline(deadline, "rerank")
@@ -655,6 +651,71 @@ class QueryPipeline:
                 reranked.append(h)
             ranked = reranked + ranked[q.rerank_depth:]
             t = self._stamp(st, "rerank", t)
+        a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
+        for _ in range(self.DEEPEN_ROUNDS):
+            if a.full or not self._can_deepen(st):
+                break
+            # a single retriever's page came out short with its list full: duplicates (or
+            # passages over the token budget) took the candidates, and more may lie deeper
+            self._check_deadline(deadline, "a deeper retrieval")
+            d, lx = st.sq.dense_depth, st.sq.lexical_depth
+            st.sq = replace(st.sq, dense_depth=min(limits.MAX_DEPTH, 4 * d) if d else 0,
+                            lexical_depth=min(limits.MAX_DEPTH, 4 * lx) if lx else 0)
+            await self._retrieve([st], deadline)
+            if not st.live or st.shard_errors:
+                break
+            self._fuse(st)
+            st.notes.append(f"retrieved {max(st.sq.dense_depth, st.sq.lexical_depth)} deep: "
+                            f"duplicates or the token budget left the page short")
+            ranked = pre_rerank = self._single_ranking(st, dense_kind)
+            a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
+        if st.error is not None:
+            raise st.error
+        self._stamp(st, "assembly", t)
+        trace = self._trace(st, pre_rerank, ranked, a) if q.include_trace else None
+        result = SearchResult(a.selected, desc.build_id, desc.corpus_version, desc.model_id,
+                              st.timings, bool(st.shard_errors), st.shard_errors, trace, st.notes,
+                              a.used)
+        # an answer degraded by a failed feedback round is served, never cached
+        degraded = st.shard_errors or any(" skipped" in n for n in st.notes)
+        if st.cache_key is not None and not degraded:  # a key only while the cache is on
+            self._cache[st.cache_key] = result
+            while len(self._cache) > self.config.retrieval_cache_size:
+                self._cache.popitem(last=False)
+        return result
+
+    # deeper retrievals (4x each) when a single retriever's page comes out short
+    DEEPEN_ROUNDS = 2
+
+    @staticmethod
+    def _single_ranking(st: _Query, dense_kind: str) -> list[RankedHit]:
+        """A single retriever's ranking: its rank is the position."""
+        if st.mode == "dense":
+            return [RankedHit(c, c.score, dense_kind, (i, c.score))
+                    for i, c in enumerate(st.dense, 1)]
+        return [RankedHit(c, c.score, "bm25", None, (i, c.score))
+                for i, c in enumerate(st.lexical, 1)]
+
+    def _can_deepen(self, st: _Query) -> bool:
+        """Whether a short page may fill from deeper in the same retriever: a single retriever
+        whose depth the request did not pin, whose list came back full (more may exist), not
+        reranked (the rerank window is the request's) and not expanded (RM3 reads the first
+        round)."""
+        q = st.q
+        if st.mode not in ("dense", "lexical") or q.rerank_depth or st.shard_errors:
+            return False
+        if st.mode == "dense":
+            depth, got, pinned = st.sq.dense_depth, len(st.dense), q.dense_depth
+        else:
+            depth, got, pinned = st.sq.lexical_depth, len(st.lexical), q.lexical_depth
+            if self._expansion_n(st):
+                return False
+        return not pinned and got >= depth and depth < limits.MAX_DEPTH
+
+    async def _assemble(self, st: _Query, ranked: list[RankedHit], tenant: str,
+                        acl_scopes: tuple, deadline: Optional[float]) -> ContextAssembler:
+        """Offer the ranked hits best first, reading texts a window at a time, until top_k."""
+        q = st.q
         a = ContextAssembler(q.top_k, tenant, q.context_token_budget, self.config.dedupe, acl_scopes)
         pos = 0
         loop = asyncio.get_running_loop()
@@ -671,18 +732,7 @@ class QueryPipeline:
                 if a.full:
                     break
                 a.offer(h, cost)
-        self._stamp(st, "assembly", t)
-        trace = self._trace(st, pre_rerank, ranked, a) if q.include_trace else None
-        result = SearchResult(a.selected, desc.build_id, desc.corpus_version, desc.model_id,
-                              st.timings, bool(st.shard_errors), st.shard_errors, trace, st.notes,
-                              a.used)
-        # an answer degraded by a failed feedback round is served, never cached
-        degraded = st.shard_errors or any(" skipped" in n for n in st.notes)
-        if st.cache_key is not None and not degraded:  # a key only while the cache is on
-            self._cache[st.cache_key] = result
-            while len(self._cache) > self.config.retrieval_cache_size:
-                self._cache.popitem(last=False)
-        return result
+        return a
 
     async def _with_text(self, st: _Query, hits: list[RankedHit], tenant: str, acl_scopes: tuple,
                          deadline: Optional[float]) -> list[RankedHit]:

@@ -18,7 +18,9 @@ def _best_first(c: Candidate) -> tuple:
 def merge_topk(per_shard: Iterable[Sequence[Candidate]], k: int) -> list[Candidate]:
     """Global top-k of per-shard lists that are each sorted best first (higher score is better).
 
-    Ties break on chunk id so the order is deterministic whatever the shard count. A chunk seen
+    Ties break on chunk id among the candidates the shards returned. Which of many tied
+    candidates a shard returns at its depth is tantivy's (document order), so a page cut
+    through a run of ties can differ with top_k and the shard layout (outside QA). A chunk seen
     twice (it cannot be, with document sharding, but a replica mix-up must not duplicate) is kept
     once, at its best score.
     """
