@@ -247,20 +247,58 @@ def test_bm25_scores_are_the_same_whatever_restricts_the_search(tmp_path):
         rows.append((i, f"title {i}", f"wing flutter test {i} " + "flutter " * (i % 3),
                      tenant, {"lang": "en" if i % 2 else "de"}, ("eng",) if i % 4 else ("public",)))
     lex.add(rows)
-    scores, found = lex.search("wing flutter", 40)
-    plain = dict(zip(found, scores))
-    assert len(plain) == 40
     checked = 0
-    for tenant in ("alpha", "beta"):
+    for tenant in ("alpha", "beta"):  # (a tenant's own statistics: see the test below)
+        scores, found = lex.search("wing flutter", 40, tenant)
+        plain = dict(zip(found, scores))
+        assert len(plain) == (32 if tenant == "alpha" else 8)
         for scopes in (None, ("public",), ("public", "eng")):
             for equal in ((), (("lang", ("en",)),)):
                 s, r = lex.search("wing flutter", 40, tenant, equal, scopes)
                 for row, score in zip(r, s):
                     assert score == pytest.approx(plain[row], rel=1e-6), (tenant, scopes, equal, row)
                     checked += 1
-    s, r = lex.search("wing flutter", 40, "alpha", rows=[3, 6, 7])
-    assert sorted(r) == [3, 6, 7] and all(x == pytest.approx(plain[y], rel=1e-6) for x, y in zip(s, r))
-    assert checked > 100
+        if tenant == "alpha":
+            s, r = lex.search("wing flutter", 40, "alpha", rows=[3, 6, 7])
+            assert sorted(r) == [3, 6, 7] and all(x == pytest.approx(plain[y], rel=1e-6)
+                                                  for x, y in zip(s, r))
+    assert checked > 50
+
+
+def test_a_tenants_bm25_scores_count_its_own_live_documents_only(tmp_path):
+    """Outside QA: BM25 counted every tenant's documents (and deleted ones until a merge), so
+    another tenant's writes reordered a tenant's results (and told it how common a term is
+    elsewhere), and replicas that merged at other times scored apart. A tenant's query now
+    scores with its own live documents' statistics: with every field of one length (BM25's
+    length part stays the index's), its scores do not move when another tenant writes, and
+    after deletes they equal those of an index that never held the deleted documents."""
+    from server.backends.lexical import LexicalIndex
+
+    def row(i, tenant, word):
+        return (i, "t", f"wing {word} panel w{i % 7}", tenant, {}, ("@all",))
+
+    alpha = [row(i, "alpha", "flutter" if i % 3 else "buckling") for i in range(30)]
+    lex = LexicalIndex.create(tmp_path / "shared")
+    lex.add(alpha)
+    def scores(index):
+        s, r = index.search("wing flutter", 40, "alpha")
+        return dict(zip(r, s))
+
+    before = scores(lex)
+    lex.add([row(100 + i, "beta", "flutter") for i in range(60)])  # another tenant writes
+    assert scores(lex) == pytest.approx(before, rel=1e-5)
+    gone = [i for i in range(30) if i % 4 == 0]
+    lex.delete_rows(gone)  # deleted, not merged away: tantivy still counts them
+    lex._reload()
+    fresh = LexicalIndex.create(tmp_path / "fresh")
+    fresh.add([r for r in alpha if r[0] not in gone] + [row(100 + i, "beta", "flutter")
+                                                       for i in range(60)])
+    assert scores(lex) == pytest.approx(scores(fresh), rel=1e-5)
+    # and the statistics round reports the tenant's live counts
+    stats = lex.term_stats("wing flutter", (), "alpha")
+    assert stats.docs == 30 - len(gone)
+    assert dict((t, d) for t, d, _ in stats.df)["flutter"] == sum(
+        1 for i in range(30) if i % 3 and i not in gone)
 
 
 def test_bm25_ranks_alike_whatever_the_shard_count(tmp_path, tiny_embedder):

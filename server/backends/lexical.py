@@ -89,7 +89,8 @@ class LexicalIndex:
         self._snap_lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._generation = 0
-        self._docs: Optional[int] = None
+        self._docs: Optional[tuple[int, int]] = None  # (documents, tenants) as BM25 counts them
+        self._scoped: dict[tuple, int] = {}  # (generation, tenant, field, term) -> live count
 
     def _text(self, text: str) -> str:
         return normalize(text) if self.normalize else text
@@ -204,33 +205,69 @@ class LexicalIndex:
             self.index.reload()
             self._generation += 1
             self._docs = None
+            self._scoped = {}
 
-    def _snapshot(self, count: bool) -> tuple["tantivy.Searcher", int]:
-        """The current searcher and (with `count`; else 0) the document count BM25 scores with
-        on it: tantivy's N counts deleted documents until a merge drops them (as its document
-        frequencies do), and every document holds exactly one tenant term, so the tenant terms'
-        counts sum to it. Counted once per reload (a walk of the tenant terms: ~1 us for a few
-        tenants, ~0.1 s for 200,000), only when a statistics round or a search that carries the
-        collection's statistics needs it."""
+    def _snapshot(self, count: bool) -> tuple["tantivy.Searcher", int, int, int]:
+        """The current searcher, its generation and (with `count`; else 0, 0) the document count
+        BM25 scores with on it and the number of tenants: tantivy's N counts deleted documents
+        until a merge drops them (as its document frequencies do), and every document holds
+        exactly one tenant term, so the tenant terms' counts sum to it. Counted once per reload
+        (a walk of the tenant terms: ~1 us for a few tenants, ~0.1 s for 200,000)."""
         with self._snap_lock:
             searcher, generation, docs = self.index.searcher(), self._generation, self._docs
         if docs is not None or not count:
-            return searcher, docs or 0
+            return (searcher, generation, *(docs or (0, 0)))
         with self._count_lock:  # one walk per reload, however many searches want it at once
             with self._snap_lock:
                 if self._generation == generation and self._docs is not None:
-                    return searcher, self._docs
-            docs = sum(n for _, n in searcher.terms_with_prefix("tenant", ""))
+                    return (searcher, generation, *self._docs)
+            tenants = list(searcher.terms_with_prefix("tenant", ""))
+            docs = (sum(n for _, n in tenants), len(tenants))
             with self._snap_lock:
                 if self._generation == generation:
                     self._docs = docs
-        return searcher, docs
+        return (searcher, generation, *docs)
 
-    def term_stats(self, text: str, expansion: Sequence[tuple[str, float]] = ()) -> TermStats:
+    def _scoped_stats(self, searcher, generation: int, docs: int, tenants: int,
+                      tenant: Optional[str], terms: Sequence[str]) -> Optional[TermStats]:
+        """The statistics BM25 should score a tenant's query with: its own live documents only.
+        tantivy's count every tenant's documents, deleted ones included until a merge, so one
+        tenant's documents would move another's scores (and reveal how common a term is
+        elsewhere), and replicas that merged at other times would score apart. None when they
+        are the same (one tenant, nothing deleted): the common case costs nothing. Counted with
+        count queries (live documents only), cached per index version."""
+        if tenant is None or (tenants <= 1 and docs == searcher.num_docs):
+            return None
+        Q, Must = tantivy.Query, tantivy.Occur.Must
+        own = Q.term_query(self.schema, "tenant", tenant)
+        cache = self._scoped
+
+        def count(field: Optional[str], term: Optional[str]) -> int:
+            key = (generation, tenant, field, term)
+            n = cache.get(key)
+            if n is None:
+                q = own if field is None else Q.boolean_query(
+                    [(Must, Q.term_query(self.schema, field, term)), (Must, own)])
+                n = cache[key] = int(searcher.search(q, 1, count=True).count)
+                if len(cache) > self.SCOPED_CACHE:
+                    cache.clear()
+            return n
+
+        return TermStats(count(None, None), tuple((t, count("text", t), count("title", t))
+                                                  for t in dict.fromkeys(terms)))
+
+    SCOPED_CACHE = 100_000  # cached tenant-scoped counts (cleared on reload, or when full)
+
+    def term_stats(self, text: str, expansion: Sequence[tuple[str, float]] = (),
+                   tenant: Optional[str] = None) -> TermStats:
         """This index's BM25 statistics for a query's terms (and its expansion terms): the
-        documents counted and, per term, how many hold it in the text and in the title."""
-        searcher, docs = self._snapshot(count=True)
+        documents counted and, per term, how many hold it in the text and in the title - the
+        tenant's live documents when they differ from the index's (see _scoped_stats)."""
+        searcher, generation, docs, tenants = self._snapshot(count=True)
         terms = list(self.query_terms(text)) + [t for t, _ in expansion]
+        scoped = self._scoped_stats(searcher, generation, docs, tenants, tenant, terms)
+        if scoped is not None:
+            return scoped
         return TermStats(docs, tuple((t, searcher.doc_freq("text", t), searcher.doc_freq("title", t))
                                      for t in dict.fromkeys(terms)))
 
@@ -278,20 +315,26 @@ class LexicalIndex:
         """BM25 top-k (scores, rows), best first, restricted inside the query to the tenant, the
         ACL scopes (None: no ACL check), metadata equality filters and, if given, a row set.
         `expansion`: analysed terms with boosts added to the query (lexical feedback). `stats`:
-        the whole collection's statistics for these terms (summed `term_stats` of every shard):
-        each term's weight is scaled by the collection's idf over this index's own, so every
-        shard scores on one scale and a ranking does not depend on how documents fall into
-        shards (tantivy takes no statistics from outside; the field-length part of BM25 stays
-        this index's)."""
+        the whole collection's statistics for these terms (summed `term_stats` of every shard,
+        the tenant's live documents): each term's weight is scaled by the collection's idf over
+        this index's own, so every shard scores on one scale and a ranking does not depend on
+        how documents fall into shards. Without them, the tenant's own live statistics where
+        they differ from the index's (_scoped_stats). tantivy takes no statistics from outside,
+        so a boost carries them; the field-length part of BM25 stays this index's (every
+        tenant's documents, deleted ones until a merge)."""
         terms = self.query_terms(text)
         if not terms or k <= 0:
             return [], []
-        searcher, docs = self._snapshot(count=stats is not None)
+        searcher, generation, docs, tenants = self._snapshot(count=stats is not None or
+                                                             tenant is not None)
+        weighted = [(t, 1.0 + math.log(n)) for t, n in terms.items()]
+        weighted += [(t, float(w)) for t, w in expansion if t not in terms]
+        if stats is None:  # one shard: the tenant's own live statistics where they differ
+            stats = self._scoped_stats(searcher, generation, docs, tenants, tenant,
+                                       [t for t, _ in weighted])
         shared = {} if stats is None else {t: (text_df, title_df) for t, text_df, title_df in stats.df}
         Q, Occur = tantivy.Query, tantivy.Occur
         should = []
-        weighted = [(t, 1.0 + math.log(n)) for t, n in terms.items()]
-        weighted += [(t, float(w)) for t, w in expansion if t not in terms]
         for t, w in weighted:
             # a term the query repeats weighs more, sublinearly (1 + ln n), as BM25 over the
             # query's own term frequency would; deduplicating lost it on long queries

@@ -378,7 +378,7 @@ class ShardIndex:
         for each query's terms, no search."""
         with self._rw.read():
             index_version, applied = self.index_version, self.applied_seq
-            stats = [self.lexical.term_stats(q.text, q.expansion) for q in queries]
+            stats = [self.lexical.term_stats(q.text, q.expansion, q.tenant) for q in queries]
         return [ShardResult(self.shard_no, self.desc.corpus_version, [], [], 0.0, 0.0, index_version,
                             applied, len(queries), term_stats=s) for s in stats]
 
