@@ -121,3 +121,53 @@ def test_passages_over_the_token_budget_do_not_end_the_page_early(tmp_path, tiny
                             dict(text="flutter", top_k=1, mode="lexical", context_token_budget=10))
     assert [h.candidate.record.doc_id for h in unbudgeted.hits] == ["long0", "long1", "short"]
     assert [h.candidate.record.doc_id for h in r.hits] == ["short"]
+
+
+def test_a_budget_that_holds_fewer_than_top_k_passages_reads_no_deeper(tmp_path, tiny_embedder):
+    """Review: a token budget that holds fewer than top_k passages is how budgets work, not a
+    short page - reading deeper for it re-fetched and re-tokenized 16x the candidates for the
+    same answer. Only repeats, or a budget that took nothing at all, read deeper."""
+    from index_builder.corpus import Document
+
+    docs = [Document(f"p{i}", f"flutter of panel {i} with a long span and a stiff frame")
+            for i in range(30)]
+    [r] = _search(_served(tmp_path, tiny_embedder, docs),
+                  dict(text="flutter", top_k=5, mode="lexical", context_token_budget=40))
+    assert 1 <= len(r.hits) < 5
+    assert not any("deep" in n for n in r.notes)
+
+
+def test_a_deeper_round_that_fails_leaves_the_first_page(tmp_path, tiny_embedder):
+    """Review: the optional deeper retrieval re-settled the query, so a shard failing only in
+    that round failed an answer the first round had complete (or marked it partial). It now
+    keeps the first round's page, with a note (and no cache entry)."""
+    from index_builder.corpus import Document
+    from server.errors import Unavailable
+
+    same = "shock wave interaction with a boundary layer at supersonic speed"
+    docs = [Document(f"dup{i}", same) for i in range(30)]
+    docs += [Document(f"other{i}", f"shock tube experiment number {i} with a new nozzle {i * 7}")
+             for i in range(6)]
+    core = _served(tmp_path, tiny_embedder, docs, shards=2)
+    coll = core.registry.get("dup")
+    first_depth = {}
+
+    class FailsDeeper:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        async def search(self, queries, timeout=None):
+            for q in queries:
+                if q.stats_only:
+                    continue
+                if first_depth.setdefault(q.text, q.lexical_depth) < q.lexical_depth:
+                    raise Unavailable("injected: down for the deeper round")
+            return await self.inner.search(queries, timeout)
+
+    coll.shards[1] = FailsDeeper(coll.shards[1])
+    [r] = _search(core, dict(text="shock", top_k=5, mode="lexical"))
+    assert not r.partial and r.hits
+    assert any("deeper retrieval skipped" in n for n in r.notes)

@@ -162,6 +162,24 @@ def test_a_statistics_round_or_fetch_past_its_budget_is_a_deadline_not_an_engine
     assert answer.term_stats is not None and answer.term_stats.docs > 0
 
 
+def test_a_statistics_query_searched_beside_others_reports_its_tenants_counts(engine_build):
+    """Review: a statistics query that shared a message (a group) with searches was answered
+    with the index-wide counts, the stand-alone round with the tenant's; both are the tenant's."""
+    from server.core.types import ShardQuery
+
+    data, desc = engine_build
+    shard, pools = open_shard(data, desc)
+    try:
+        stats = ShardQuery(desc.build_id, "beta", None, desc.model_id, "flow", 0, 0, stats_only=True)
+        search = ShardQuery(desc.build_id, "beta", None, desc.model_id, "flow", 0, 10)
+        alone = shard.index.term_stats([stats])[0].term_stats
+        grouped = shard.index.search_group([stats, search])[0].term_stats
+        assert alone == grouped and alone.docs == shard.index.tenant_counts["beta"]
+    finally:
+        asyncio.run(shard.close())
+        pools.close()
+
+
 def test_mixed_restrictions_never_share_a_batch(engine_build, rng):
     data, desc = engine_build
     shard, pools = open_shard(data, desc)

@@ -299,6 +299,12 @@ def test_a_tenants_bm25_scores_count_its_own_live_documents_only(tmp_path):
     assert stats.docs == 30 - len(gone)
     assert dict((t, d) for t, d, _ in stats.df)["flutter"] == sum(
         1 for i in range(30) if i % 3 and i not in gone)
+    # an index holding only another tenant's documents counts none of the caller's (review: it
+    # answered with the other tenant's counts, which the round then summed into alpha's idf)
+    beta_only = LexicalIndex.create(tmp_path / "beta")
+    beta_only.add([row(200 + i, "beta", "flutter") for i in range(50)])
+    stats = beta_only.term_stats("wing flutter", (), "alpha")
+    assert stats.docs == 0 and all(d == 0 and t == 0 for _, d, t in stats.df)
 
 
 def test_bm25_ranks_alike_whatever_the_shard_count(tmp_path, tiny_embedder):

@@ -154,12 +154,15 @@ class DenseIndex:
         return cache[key]
 
     def search(self, queries: np.ndarray, k: int, allowed: Optional["RowFilter"] = None,
-               knobs: Optional[SearchKnobs] = None) -> tuple[np.ndarray, np.ndarray]:
+               knobs: Optional[SearchKnobs] = None,
+               on_cpu: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Top-k rows for each query (one batched faiss call). Returns (scores, rows), higher
         score is better, row -1 = none.
 
         `allowed` restricts the search itself (faiss IDSelector), so a small allowed set still
-        yields k results when k rows are allowed.
+        yields k results when k rows are allowed. `on_cpu`: the host copy with per-call
+        parameters, never the device's (whose nprobe is set on the shared index and capped at
+        2,048 by faiss GPU): the exhaustive redo of a short IVF page.
         """
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         n = self.ntotal
@@ -173,7 +176,7 @@ class DenseIndex:
             # (chosen for recall@10) would fill a deep page (hybrid's 100) badly - recall@100
             # 0.57 at ef 16 on the WordNet vectors, 0.91 at ef 100 (hnswlib's rule: ef >= k)
             knobs = replace(knobs, ef_search=k)
-        if self.placement != "cpu" and allowed is None:  # GPU indexes take no selector
+        if self.placement != "cpu" and allowed is None and not on_cpu:  # GPU: no selector
             scores, rows = self.index.search(queries, k, params=_gpu_params(self.index, knobs, k))
         else:
             scores, rows = self.cpu_index.search(queries, k, params=self.params(knobs, allowed))

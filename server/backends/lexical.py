@@ -89,7 +89,8 @@ class LexicalIndex:
         self._snap_lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._generation = 0
-        self._docs: Optional[tuple[int, int]] = None  # (documents, tenants) as BM25 counts them
+        # (documents, tenants, the tenant when there is one) as BM25 counts them
+        self._docs: Optional[tuple[int, int, str]] = None
         self._scoped: dict[tuple, int] = {}  # (generation, tenant, field, term) -> live count
 
     def _text(self, text: str) -> str:
@@ -207,36 +208,39 @@ class LexicalIndex:
             self._docs = None
             self._scoped = {}
 
-    def _snapshot(self, count: bool) -> tuple["tantivy.Searcher", int, int, int]:
-        """The current searcher, its generation and (with `count`; else 0, 0) the document count
-        BM25 scores with on it and the number of tenants: tantivy's N counts deleted documents
+    def _snapshot(self, count: bool) -> tuple["tantivy.Searcher", int, int, int, str]:
+        """The current searcher, its generation and (with `count`; else 0, 0, "") the document
+        count BM25 scores with on it, the number of tenants and the tenant when there is only
+        one: tantivy's N counts deleted documents
         until a merge drops them (as its document frequencies do), and every document holds
         exactly one tenant term, so the tenant terms' counts sum to it. Counted once per reload
         (a walk of the tenant terms: ~1 us for a few tenants, ~0.1 s for 200,000)."""
         with self._snap_lock:
             searcher, generation, docs = self.index.searcher(), self._generation, self._docs
         if docs is not None or not count:
-            return (searcher, generation, *(docs or (0, 0)))
+            return (searcher, generation, *(docs or (0, 0, "")))
         with self._count_lock:  # one walk per reload, however many searches want it at once
             with self._snap_lock:
                 if self._generation == generation and self._docs is not None:
                     return (searcher, generation, *self._docs)
             tenants = list(searcher.terms_with_prefix("tenant", ""))
-            docs = (sum(n for _, n in tenants), len(tenants))
+            docs = (sum(n for _, n in tenants), len(tenants),
+                    tenants[0][0] if len(tenants) == 1 else "")
             with self._snap_lock:
                 if self._generation == generation:
                     self._docs = docs
         return (searcher, generation, *docs)
 
-    def _scoped_stats(self, searcher, generation: int, docs: int, tenants: int,
+    def _scoped_stats(self, searcher, generation: int, docs: int, tenants: int, only: str,
                       tenant: Optional[str], terms: Sequence[str]) -> Optional[TermStats]:
         """The statistics BM25 should score a tenant's query with: its own live documents only.
         tantivy's count every tenant's documents, deleted ones included until a merge, so one
         tenant's documents would move another's scores (and reveal how common a term is
         elsewhere), and replicas that merged at other times would score apart. None when they
-        are the same (one tenant, nothing deleted): the common case costs nothing. Counted with
-        count queries (live documents only), cached per index version."""
-        if tenant is None or (tenants <= 1 and docs == searcher.num_docs):
+        are the same (the caller's is the index's one tenant, nothing deleted): the common case
+        costs nothing. Counted with count queries (live documents only), cached per index
+        version; an index holding only another tenant's documents counts none of the caller's."""
+        if tenant is None or (tenants == 1 and only == tenant and docs == searcher.num_docs):
             return None
         Q, Must = tantivy.Query, tantivy.Occur.Must
         own = Q.term_query(self.schema, "tenant", tenant)
@@ -263,9 +267,9 @@ class LexicalIndex:
         """This index's BM25 statistics for a query's terms (and its expansion terms): the
         documents counted and, per term, how many hold it in the text and in the title - the
         tenant's live documents when they differ from the index's (see _scoped_stats)."""
-        searcher, generation, docs, tenants = self._snapshot(count=True)
+        searcher, generation, docs, tenants, only = self._snapshot(count=True)
         terms = list(self.query_terms(text)) + [t for t, _ in expansion]
-        scoped = self._scoped_stats(searcher, generation, docs, tenants, tenant, terms)
+        scoped = self._scoped_stats(searcher, generation, docs, tenants, only, tenant, terms)
         if scoped is not None:
             return scoped
         return TermStats(docs, tuple((t, searcher.doc_freq("text", t), searcher.doc_freq("title", t))
@@ -325,12 +329,12 @@ class LexicalIndex:
         terms = self.query_terms(text)
         if not terms or k <= 0:
             return [], []
-        searcher, generation, docs, tenants = self._snapshot(count=stats is not None or
-                                                             tenant is not None)
+        searcher, generation, docs, tenants, only = self._snapshot(count=stats is not None or
+                                                                   tenant is not None)
         weighted = [(t, 1.0 + math.log(n)) for t, n in terms.items()]
         weighted += [(t, float(w)) for t, w in expansion if t not in terms]
         if stats is None:  # one shard: the tenant's own live statistics where they differ
-            stats = self._scoped_stats(searcher, generation, docs, tenants, tenant,
+            stats = self._scoped_stats(searcher, generation, docs, tenants, only, tenant,
                                        [t for t, _ in weighted])
         shared = {} if stats is None else {t: (text_df, title_df) for t, text_df, title_df in stats.df}
         Q, Occur = tantivy.Query, tantivy.Occur

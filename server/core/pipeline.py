@@ -653,24 +653,34 @@ class QueryPipeline:
             t = self._stamp(st, "rerank", t)
         a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
         for _ in range(self.DEEPEN_ROUNDS):
-            if a.full or not self._can_deepen(st):
+            if not self._can_deepen(st, a):
                 break
             # a single retriever's page came out short with its list full: duplicates (or
-            # passages over the token budget) took the candidates, and more may lie deeper
-            self._check_deadline(deadline, "a deeper retrieval")
+            # passages over the token budget) took the candidates, and more may lie deeper.
+            # Best effort: a round that fails, or finds no time, leaves the page as it is.
+            loop = asyncio.get_running_loop()
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                break
+            kept = (st.sq, st.shard_results, st.shard_errors, st.dense, st.lexical,
+                    dict(st.timings))
             d, lx = st.sq.dense_depth, st.sq.lexical_depth
             st.sq = replace(st.sq, dense_depth=min(limits.MAX_DEPTH, 4 * d) if d else 0,
                             lexical_depth=min(limits.MAX_DEPTH, 4 * lx) if lx else 0)
-            await self._retrieve([st], deadline)
-            if not st.live or st.shard_errors:
+            # half the time left: the rest stays for reading and assembling the deeper page
+            await self._retrieve([st], None if left is None else loop.time() + left / 2)
+            if st.error is not None or st.shard_errors:
+                why = st.error or st.shard_errors[0]
+                st.error = None
+                (st.sq, st.shard_results, st.shard_errors, st.dense, st.lexical,
+                 st.timings) = kept
+                st.notes.append(f"deeper retrieval skipped ({why}): the page may be short")
                 break
             self._fuse(st)
             st.notes.append(f"retrieved {max(st.sq.dense_depth, st.sq.lexical_depth)} deep: "
                             f"duplicates or the token budget left the page short")
             ranked = pre_rerank = self._single_ranking(st, dense_kind)
             a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
-        if st.error is not None:
-            raise st.error
         self._stamp(st, "assembly", t)
         trace = self._trace(st, pre_rerank, ranked, a) if q.include_trace else None
         result = SearchResult(a.selected, desc.build_id, desc.corpus_version, desc.model_id,
@@ -696,13 +706,18 @@ class QueryPipeline:
         return [RankedHit(c, c.score, "bm25", None, (i, c.score))
                 for i, c in enumerate(st.lexical, 1)]
 
-    def _can_deepen(self, st: _Query) -> bool:
-        """Whether a short page may fill from deeper in the same retriever: a single retriever
-        whose depth the request did not pin, whose list came back full (more may exist), not
-        reranked (the rerank window is the request's) and not expanded (RM3 reads the first
-        round)."""
+    def _can_deepen(self, st: _Query, a: ContextAssembler) -> bool:
+        """Whether a short page may fill from deeper in the same retriever: passages were
+        dropped as repeats (or as another tenant's or scope's, defence in depth), or the token
+        budget took none at all - a budget that holds fewer than top_k passages is how budgets
+        work, not a short page; a single retriever whose depth the request did not pin, whose
+        list came back full (more may exist), not reranked (the rerank window is the request's)
+        and not expanded (RM3 reads the first round)."""
         q = st.q
-        if st.mode not in ("dense", "lexical") or q.rerank_depth or st.shard_errors:
+        if a.full or st.mode not in ("dense", "lexical") or q.rerank_depth or st.shard_errors:
+            return False
+        repeats = any(not reason.startswith("over_token_budget") for _, reason in a.dropped)
+        if not repeats and not (q.context_token_budget and not a.selected):
             return False
         if st.mode == "dense":
             depth, got, pinned = st.sq.dense_depth, len(st.dense), q.dense_depth
@@ -732,6 +747,8 @@ class QueryPipeline:
                 if a.full:
                     break
                 a.offer(h, cost)
+            if q.context_token_budget and a.used >= q.context_token_budget:
+                break  # nothing more can fit: reading on would only tokenize
         return a
 
     async def _with_text(self, st: _Query, hits: list[RankedHit], tenant: str, acl_scopes: tuple,

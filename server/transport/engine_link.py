@@ -102,7 +102,7 @@ class EngineServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._clients.add(writer)
         lock = asyncio.Lock()
-        running: dict[int, asyncio.Task] = {}  # by request id: a front end may cancel them
+        running: dict[int, asyncio.Task] = {}  # reads by request id: a front end may cancel them
 
         async def answer(req_id, op, args):
             try:
@@ -124,13 +124,16 @@ class EngineServer:
                         task.cancel()
                     continue
                 task = asyncio.get_running_loop().create_task(answer(req_id, op, args))
-                running[req_id] = task
-                task.add_done_callback(lambda _, r=req_id: running.pop(r, None))
+                if op in CANCELLABLE:  # (a write, once sent, runs to its outcome)
+                    running[req_id] = task
+                    task.add_done_callback(lambda _, r=req_id: running.pop(r, None))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             self._clients.discard(writer)
             writer.close()
+            for task in list(running.values()):  # the front end is gone: so are its callers
+                task.cancel()
 
     async def announce(self, collection: str) -> None:
         """Tell every front end which build a collection serves now."""
@@ -165,6 +168,7 @@ class EngineClient:
         self._writer: Optional[asyncio.StreamWriter] = None
         self._lock = asyncio.Lock()
         self._closing = False
+        self._cancels: set[asyncio.Task] = set()
 
     async def connect(self, timeout: float = 60.0) -> None:
         loop = asyncio.get_running_loop()
@@ -231,7 +235,9 @@ class EngineClient:
             # (wait_for cancels `fut` itself as it goes: an answer is a result, not a cancel)
             answered = fut.done() and not fut.cancelled()
             if op in CANCELLABLE and not answered and self.lost is None:
-                asyncio.get_running_loop().create_task(self._cancel(req_id))
+                task = asyncio.get_running_loop().create_task(self._cancel(req_id))
+                self._cancels.add(task)  # referenced until done (the loop keeps weak ones)
+                task.add_done_callback(self._cancels.discard)
             raise
         finally:
             self._waiting.pop(req_id, None)

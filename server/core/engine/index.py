@@ -332,7 +332,7 @@ class ShardIndex:
         elif short and allowed is None and (wide := self.dense.exhaustive_knobs()) is not None:
             # IVF whose probed lists held fewer than k vectors (a deep page, a small nprobe):
             # those queries probe every list, so a page is short only when the shard is
-            scores, rows = self.dense.search(queries[short], k, None, wide)
+            scores, rows = self.dense.search(queries[short], k, None, wide, on_cpu=True)
             for i, rr, ss in zip(short, rows.tolist(), scores.tolist()):
                 found[i] = [(r, s) for r, s in zip(rr, ss) if r >= 0]
         return found
@@ -405,8 +405,8 @@ class ShardIndex:
                     dense[i] = f[:queries[i].dense_depth]
                 dense_ms = (time.perf_counter() - t0) * 1e3
             lexical: list[list] = [[] for _ in range(n)]
-            term_stats = [self.lexical.term_stats(q.text, q.expansion) if q.stats_only else None
-                          for q in queries]
+            term_stats = [self.lexical.term_stats(q.text, q.expansion, q.tenant)
+                          if q.stats_only else None for q in queries]
             with_text = [i for i, q in enumerate(queries) if q.text and not q.stats_only]
             if with_text:
                 t0 = time.perf_counter()
