@@ -8,7 +8,7 @@ round-robin to --tenants tenants, and searches every query as the first tenant, 
 one run: with index-wide statistics (tantivy's own: every tenant's documents, the behaviour
 before tenant scoping), and with the tenant's own live statistics, cold (just after a reload:
 every count query runs) and warm (counts cached for this index version). Prints p50/p99 per
-search. A single-tenant index without deletions takes the first path at no cost.
+search. An index of one tenant takes the first path at no cost.
 """
 from __future__ import annotations
 

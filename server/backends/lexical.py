@@ -233,14 +233,15 @@ class LexicalIndex:
 
     def _scoped_stats(self, searcher, generation: int, docs: int, tenants: int, only: str,
                       tenant: Optional[str], terms: Sequence[str]) -> Optional[TermStats]:
-        """The statistics BM25 should score a tenant's query with: its own live documents only.
-        tantivy's count every tenant's documents, deleted ones included until a merge, so one
-        tenant's documents would move another's scores (and reveal how common a term is
-        elsewhere), and replicas that merged at other times would score apart. None when they
-        are the same (the caller's is the index's one tenant, nothing deleted): the common case
-        costs nothing. Counted with count queries (live documents only), cached per index
-        version; an index holding only another tenant's documents counts none of the caller's."""
-        if tenant is None or (tenants == 1 and only == tenant and docs == searcher.num_docs):
+        """The statistics BM25 should score a tenant's query with where the index holds other
+        tenants' documents: its own live documents only. tantivy's count every tenant's
+        documents (and deleted ones until a merge), so one tenant's documents would move
+        another's scores and reveal how common a term is elsewhere. None for an index of the
+        caller's tenant alone: it pays no count query (its deleted documents still count until
+        a merge, as in tantivy: counting them out on every query after every write would cost a
+        large index a posting walk per term). Counted with count queries (live documents only),
+        cached per index version; an index of only another tenant's counts none of the caller's."""
+        if tenant is None or (tenants == 1 and only == tenant):
             return None
         Q, Must = tantivy.Query, tantivy.Occur.Must
         own = Q.term_query(self.schema, "tenant", tenant)
