@@ -171,3 +171,21 @@ def test_a_deeper_round_that_fails_leaves_the_first_page(tmp_path, tiny_embedder
     [r] = _search(core, dict(text="shock", top_k=5, mode="lexical"))
     assert not r.partial and r.hits
     assert any("deeper retrieval skipped" in n for n in r.notes)
+
+
+def test_repeats_and_a_budget_read_deeper_only_until_the_budget_ends_the_page(tmp_path,
+                                                                              tiny_embedder):
+    """Outside QA (re-probe): with duplicates and a budget that holds one passage, a dense
+    query read 40 deep (right: the first 10 were repeats) and then 160 deep for the same single
+    hit, because repeats had been dropped at some point. Once the budget has ended the page (a
+    passage taken, the next over it), no deeper list fills it."""
+    from index_builder.corpus import Document
+
+    same = "shock wave interaction with a boundary layer at supersonic speed"
+    docs = [Document(f"dup{i}", same) for i in range(30)]
+    docs += [Document(f"other{i}", f"shock wave interaction number {i} with a boundary layer "
+                                   f"at supersonic speed and a nozzle {i * 7}") for i in range(30)]
+    [r] = _search(_served(tmp_path, tiny_embedder, docs),
+                  dict(text=same, top_k=5, mode="dense", context_token_budget=20))
+    assert len(r.hits) == 1
+    assert sum("deep" in n for n in r.notes) == 1, r.notes

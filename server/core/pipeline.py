@@ -708,13 +708,17 @@ class QueryPipeline:
 
     def _can_deepen(self, st: _Query, a: ContextAssembler) -> bool:
         """Whether a short page may fill from deeper in the same retriever: passages were
-        dropped as repeats (or as another tenant's or scope's, defence in depth), or the token
-        budget took none at all - a budget that holds fewer than top_k passages is how budgets
-        work, not a short page; a single retriever whose depth the request did not pin, whose
+        dropped as repeats (or as another tenant's or scope's, defence in depth) and the budget
+        (if any) did not end the page, or the budget took none at all - a budget that holds
+        fewer than top_k passages is how budgets work, not a short page; a single retriever
+        whose depth the request did not pin, whose
         list came back full (more may exist), not reranked (the rerank window is the request's)
         and not expanded (RM3 reads the first round)."""
         q = st.q
         if a.full or st.mode not in ("dense", "lexical") or q.rerank_depth or st.shard_errors:
+            return False
+        over_budget = any(reason.startswith("over_token_budget") for _, reason in a.dropped)
+        if over_budget and a.selected:  # the budget ends this page: no deeper list fills it
             return False
         repeats = any(not reason.startswith("over_token_budget") for _, reason in a.dropped)
         if not repeats and not (q.context_token_budget and not a.selected):
