@@ -57,7 +57,7 @@ def test_publish_refuses_a_build_whose_files_were_damaged_after_its_audit(two_bu
     """Regression (outside QA): a build truncated after its audit was published; every server
     then logged an error each poll and the next start failed for every collection."""
     from index_builder.build import audit_build
-    from server.errors import FailedPrecondition
+    from server.errors import FailedPrecondition, IndexCorruptError
 
     store, a, b = two_builds
     audit_build(store, "c", b.build_id)
@@ -97,6 +97,9 @@ def test_publish_refuses_a_build_whose_files_were_damaged_after_its_audit(two_bu
         damage(path)
         with pytest.raises(FailedPrecondition, match=f"{path} (fails its sha256|is .* bytes)"):
             store.publish("c", b.build_id)
+        # and the audit says so too (outside QA re-probe: it passed the damaged build)
+        with pytest.raises(IndexCorruptError, match=f"{path} (fails its sha256|is .* bytes)"):
+            audit_build(store, "c", b.build_id, record=False)
         path.write_bytes((pristine / path.relative_to(store.data_dir)).read_bytes())
     store.publish("c", b.build_id)
     assert store.live_build("c") == b.build_id

@@ -20,6 +20,7 @@ from server.backends.dense import DenseIndex, SearchKnobs, _unwrap
 from server.backends.docstore import DocStore
 from server.backends.lexical import LexicalIndex
 from server.core.collection import CollectionStore, ReleaseDescriptor, shard_dir_name
+from server.errors import IndexCorruptError
 
 AUDIT_QUERIES = "audit_queries.npy"
 EF_GRID = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -127,8 +128,13 @@ def audit_build(store: CollectionStore, collection: str, build_id: str, k: int =
                 state_root: Optional[Path] = None, record: bool = True) -> dict:
     """ANN recall@k of the build against exact search over the same vectors, merged over shards,
     then the count reconciliation (reconcile_build). With `target_recall`, first tune the search
-    knobs to the cheapest setting meeting it and store them in the descriptor."""
+    knobs to the cheapest setting meeting it and store them in the descriptor. A build whose
+    files differ from what it recorded of them (damaged since) is not audited: IndexCorruptError
+    names the files."""
     desc = store.descriptor(collection, build_id)
+    problems = store.file_problems(collection, build_id)
+    if problems:
+        raise IndexCorruptError(f"build {build_id} is damaged: {'; '.join(problems)}")
     knobs = SearchKnobs(**desc.search_defaults) if desc.search_defaults else SearchKnobs()
     shards = _load_shards(store, desc, knobs)
     queries, source = _queries(store, desc, shards, queries, n_queries, seed)
@@ -157,13 +163,14 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str,
     shard has a state directory under `state_root`, the streaming writes there - so it is also
     the check an operator runs after a crash. Stored in the descriptor when `record`.
 
-    Mismatches (the build cannot be served as it is):
+    Mismatches (the build cannot be served as it is; audit_build checks the recorded sizes and
+    sha256s first):
     - the faiss file's vectors differ from the rows the build wrote, or rows added since are not
       contiguous after them or lack their vector;
     - the BM25 index lacks a live row, or holds a row that is live nowhere and pending nowhere;
     - for a shard that took no writes: live chunks and documents differ from the descriptor.
-    Reported, not mismatches: pending rows (recovery orphans them) and dead rows still in BM25
-    (recovery purges them)."""
+    Reported, not mismatches: pending rows (recovery deletes a crash-cut tail and orphans the
+    rest) and dead rows still in BM25 (recovery purges them)."""
     from server.backends.docstore import LIVE
     from server.core.engine.state import READY, state_shard_dir
 

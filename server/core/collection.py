@@ -261,19 +261,19 @@ class CollectionStore:
     def write_descriptor(self, desc: ReleaseDescriptor) -> None:
         atomic_write(self.build_dir(desc.collection, desc.build_id) / DESCRIPTOR, desc.to_json())
 
-    def verify_files(self, name: str, build_id: str) -> None:
-        """Every shard's document store is there and every file the build recorded has its size
-        and sha256: a build damaged after its audit is refused at publish, not found by each
-        server that follows the alias (and by the next start, which would fail)."""
+    def file_problems(self, name: str, build_id: str) -> list[str]:
+        """What is wrong with the build's files against what it recorded of them: every shard's
+        document store must be there, and every recorded file must have its size and sha256."""
         from server.backends.dense import recorded_file_problem
 
         desc = self.descriptor(name, build_id)
         build_dir = self.build_dir(name, build_id)
+        problems = []
         for s in range(desc.shards):
             shard = shard_dir_name(s)
             store = build_dir / shard / "docstore.sqlite"
             if not store.is_file():
-                raise FailedPrecondition(f"build {build_id}: missing {store}; not published")
+                problems.append(f"missing {store}")
             todo = [(build_dir / shard, desc.shard_files.get(shard, {}))]
             while todo:  # {file: {bytes, sha256}}, and {"tenants/T": {...}} for dedicated indexes
                 base, files = todo.pop()
@@ -284,7 +284,16 @@ class CollectionStore:
                         continue
                     problem = recorded_file_problem(path, want)  # as a server's load checks it
                     if problem:
-                        raise FailedPrecondition(f"build {build_id}: {path} {problem}; not published")
+                        problems.append(f"{path} {problem}")
+        return problems
+
+    def verify_files(self, name: str, build_id: str) -> None:
+        """The build's files are whole (file_problems): a build damaged after its audit is
+        refused at publish, not found by each server that follows the alias (and by the next
+        start, which would fail)."""
+        problems = self.file_problems(name, build_id)
+        if problems:
+            raise FailedPrecondition(f"build {build_id}: {problems[0]}; not published")
 
     def publish(self, name: str, build_id: str, require_audit: bool = True,
                 min_recall: Optional[float] = None, verify_files: bool = True,
