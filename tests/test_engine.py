@@ -764,7 +764,7 @@ def test_a_dispatch_timer_fires_once_on_uvloops_millisecond_clock():
 
 
 def test_a_waiting_group_goes_when_its_timer_fires_whatever_the_float_rounding():
-    """For about 4 enqueue times in 10, (enqueued + 0.001) - enqueued is just under 0.001: a
+    """In about 4 binades of 10, (enqueued + 0.001) - enqueued is just under 0.001: a
     group due at enqueued + timeout must go when its timer fires for that time, not re-arm (this
     is what made the uvloop test above fail now and then)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -779,9 +779,16 @@ def test_a_waiting_group_goes_when_its_timer_fires_whatever_the_float_rounding()
         s = timed_scheduler(SearchScheduler, run_group, pool)
         first, other, full = backlog_behind_a_partial_group(s, Q, QB)
         group = s._groups[("other",)]
-        e = asyncio.get_running_loop().time() + 60  # a time the loop's clock has not reached
-        while (e + 0.001) - e >= 0.001:
-            e = float(np.nextafter(e, np.inf)) + 1e-7
+        # a time the loop's clock has not reached where the rounding bites. Within a binade
+        # [2^k, 2^(k+1)) every float is a multiple of one ulp, so (e + 0.001) - e is the same for
+        # all of them: search binades, not neighbouring floats (a search of neighbours never
+        # ended once the host's monotonic clock passed 65,536 s, a binade where it never bites)
+        e = asyncio.get_running_loop().time() + 60
+        for _ in range(64):
+            if (e + 0.001) - e < 0.001:
+                break
+            e *= 2
+        assert (e + 0.001) - e < 0.001
         group[0].enqueued = e
         armed = []
         s._arm = armed.append
