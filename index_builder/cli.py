@@ -291,8 +291,9 @@ def cmd_list(args) -> int:
     if args.collection and not store.builds(args.collection):
         print(f"collection {args.collection!r} has no builds under {args.data_dir}", file=sys.stderr)
         return 2
+    published = set(store.collections())
     for name in names:
-        live = store.alias(name).get("live") if name in store.collections() else None
+        live = store.alias(name).get("live") if name in published else None
         print(name if live else f"{name}  (not published)")
         for b in store.builds(name):
             d = store.descriptor(name, b)

@@ -35,22 +35,18 @@ def _check_unicode(value, field: str) -> None:
 
 
 def check_document(doc: Document) -> None:
-    """The write API's rules (ids, versions, sizes, metadata, ACL scopes, tenant): a build takes
-    no document that UpsertDocument would refuse, or that could then never be replaced or
-    deleted. Raises ValueError."""
-    from server.core import limits
-    from server.core.validation import NAME, check_doc, check_metadata
+    """The write API's rules (ids, versions, sizes, metadata, ACL scopes; validate_write) and a
+    valid tenant: a build takes no document that UpsertDocument would refuse, or that could then
+    never be replaced or deleted. For a document with text or a title. Raises ValueError."""
+    from server.core.types import WriteRequest
+    from server.core.validation import NAME, validate_write
     from server.errors import InvalidArgument
 
     try:
-        check_doc(doc.doc_id, doc.version)
-        check_metadata(doc.metadata, doc.acl)
+        validate_write(WriteRequest("upsert", "", doc.doc_id, doc.version, doc.text, doc.title,
+                                    doc.metadata, tuple(doc.acl)))
     except InvalidArgument as exc:
         raise ValueError(str(exc)) from None
-    if len(doc.text) > limits.MAX_DOC_TEXT_CHARS:
-        raise ValueError(f"text is {len(doc.text)} characters; the cap is {limits.MAX_DOC_TEXT_CHARS}")
-    if len(doc.title) > limits.MAX_TITLE_CHARS:
-        raise ValueError(f"title exceeds {limits.MAX_TITLE_CHARS} characters")
     if not NAME.match(doc.tenant):
         raise ValueError(f"tenant {doc.tenant!r} must match {NAME.pattern}")
 
@@ -92,12 +88,12 @@ def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Documen
                                {str(k): str(v) for k, v in meta.items()},
                                str(obj.get("tenant") or default_tenant), tuple(str(a) for a in acl),
                                version, vector)
+                if not (doc.text.strip() or doc.title.strip()):
+                    skipped.append(f"{path}:{lineno} ({doc.doc_id!r})")
+                    continue
                 check_document(doc)
             except ValueError as exc:
                 raise ValueError(f"{path}:{lineno}: {exc}") from None
-            if not (doc.text.strip() or doc.title.strip()):
-                skipped.append(f"{path}:{lineno} ({doc.doc_id!r})")
-                continue
             yield doc
     if skipped:
         print(f"index-builder: skipped {len(skipped)} document(s) with neither text nor title: "

@@ -83,6 +83,16 @@ def _no_leftover_processes():
     stop_all()
 
 
+class DelegatingShard:
+    """A shard that answers as `inner` does, but for the methods a test overrides (a fault)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def live_row(shard, chunk_id):
     """The shard row holding the live version of a chunk."""
     return shard.index.store._conn().execute(

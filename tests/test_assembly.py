@@ -141,6 +141,7 @@ def test_a_deeper_round_that_fails_leaves_the_first_page(tmp_path, tiny_embedder
     """Review: the optional deeper retrieval re-settled the query, so a shard failing only in
     that round failed an answer the first round had complete (or marked it partial). It now
     keeps the first round's page, with a note (and no cache entry)."""
+    from conftest import DelegatingShard
     from index_builder.corpus import Document
     from server.errors import Unavailable
 
@@ -152,13 +153,7 @@ def test_a_deeper_round_that_fails_leaves_the_first_page(tmp_path, tiny_embedder
     coll = core.registry.get("dup")
     first_depth = {}
 
-    class FailsDeeper:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
+    class FailsDeeper(DelegatingShard):
         async def search(self, queries, timeout=None):
             for q in queries:
                 if q.stats_only:

@@ -39,6 +39,14 @@ def two_builds(tmp_path, tiny_embedder, cranfield_docs):
     return store, a, b
 
 
+def refused_compaction(admin) -> str:
+    """A Compact call that must be refused FAILED_PRECONDITION; returns the message."""
+    with pytest.raises(grpc.RpcError) as err:
+        admin.Compact(pb.CompactRequest(collection="c"), timeout=300)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    return err.value.details()
+
+
 def run(srv, coro):
     return asyncio.run_coroutine_threadsafe(coro, srv.loop).result(120)
 
@@ -536,10 +544,7 @@ def test_a_compacted_build_is_held_to_its_sources_audit_or_not_published(tmp_pat
             srv.core.registry.get("c").desc.audit["min_recall"] = 1.5
             stub.DeleteDocument(pb.DeleteDocumentRequest(collection="c", doc_id="a-2", version=2),
                                 timeout=30)
-            with pytest.raises(grpc.RpcError) as err:
-                admin.Compact(pb.CompactRequest(collection="c"), timeout=300)
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "failed its checks" in err.value.details()
+            assert "failed its checks" in refused_compaction(admin)
             assert store.live_build("c") == first.build_id
             assert stub.Search(pb.SearchRequest(collection="c", text="boundary layer", top_k=3),
                                timeout=30).build_id == first.build_id
@@ -572,10 +577,7 @@ def test_a_build_published_while_a_compaction_runs_is_not_undone(two_builds, tin
             admin = pb_grpc.AdminServiceStub(ch)
             stub.DeleteDocument(pb.DeleteDocumentRequest(collection="c", doc_id="a-1", version=2),
                                 timeout=30)
-            with pytest.raises(grpc.RpcError) as err:
-                admin.Compact(pb.CompactRequest(collection="c"), timeout=300)
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert f"build {b.build_id} was published while" in err.value.details()
+            assert f"build {b.build_id} was published while" in refused_compaction(admin)
             assert store.alias("c") == {"live": b.build_id, "previous": a.build_id}
             builds = sorted(p.name for p in (store.collection_dir("c") / "builds").iterdir()
                             if not p.name.startswith("."))

@@ -285,20 +285,14 @@ def test_a_fetched_row_holding_another_chunk_is_dropped_never_served(small_colle
     crashed inside a write numbered its later rows one higher) must not put another document's
     text under a ranked hit: the fetched row's chunk id and fingerprint are checked, a mismatch
     is dropped and counted."""
-    from conftest import make_core
+    from conftest import DelegatingShard, make_core
     from server.core import metrics
     from server.core.types import SearchQuery
 
     data, desc = small_collection
 
-    class ShiftedRows:
+    class ShiftedRows(DelegatingShard):
         """Shard 0 as a replica one row ahead would answer a fetch: row r holds r+1's chunk."""
-
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
 
         async def fetch(self, request, timeout=None):
             from dataclasses import replace

@@ -102,6 +102,21 @@ def file_record(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
+def recorded_problems(base: Path, files: dict) -> list[str]:
+    """Every file under `base` that differs from what a build recorded of it, as "PATH problem";
+    `files` maps a name to {bytes, sha256}, or a directory's name to its own such map (the BM25
+    segments, a dedicated tenant's index)."""
+    problems = []
+    for name, want in files.items():
+        if "bytes" not in want:
+            problems += recorded_problems(base / name, want)
+            continue
+        problem = recorded_file_problem(base / name, want)
+        if problem:
+            problems.append(f"{base / name} {problem}")
+    return problems
+
+
 def recorded_file_problem(path: Path, want: dict) -> Optional[str]:
     """What is wrong with a build file against what the build recorded of it ({bytes, sha256}),
     worded to follow the file's name; None when it is whole."""

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import unicodedata
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 import tantivy
 
@@ -57,6 +57,16 @@ def analyze(text: str) -> list[str]:
     if analyzer is None:
         analyzer = _local.analyzer = make_analyzer()
     return analyzer.analyze(normalize(text))
+
+
+class _Snapshot(NamedTuple):
+    """A searcher and what BM25 counts on it (see LexicalIndex._snapshot)."""
+
+    searcher: "tantivy.Searcher"
+    generation: int
+    docs: int = 0      # documents, deleted ones included until a merge (tantivy's N)
+    tenants: int = 0   # tenant terms
+    only: str = ""     # the tenant, when there is one
 
 
 def bm25_idf(doc_freq: int, docs: int) -> float:
@@ -208,31 +218,31 @@ class LexicalIndex:
             self._docs = None
             self._scoped = {}
 
-    def _snapshot(self, count: bool) -> tuple["tantivy.Searcher", int, int, int, str]:
-        """The current searcher, its generation and (with `count`; else 0, 0, "") the document
-        count BM25 scores with on it, the number of tenants and the tenant when there is only
-        one: tantivy's N counts deleted documents
-        until a merge drops them (as its document frequencies do), and every document holds
-        exactly one tenant term, so the tenant terms' counts sum to it. Counted once per reload
-        (a walk of the tenant terms: ~1 us for a few tenants, ~0.1 s for 200,000)."""
+    def _snapshot(self, count: bool) -> _Snapshot:
+        """The current searcher, its generation and (with `count`) the document count BM25
+        scores with on it, the number of tenants and the tenant when there is only one: tantivy's
+        N counts deleted documents until a merge drops them (as its document frequencies do),
+        and every document holds exactly one tenant term, so the tenant terms' counts sum to it.
+        Counted once per reload (a walk of the tenant terms: ~1 us for a few tenants, ~0.1 s for
+        200,000)."""
         with self._snap_lock:
             searcher, generation, docs = self.index.searcher(), self._generation, self._docs
         if docs is not None or not count:
-            return (searcher, generation, *(docs or (0, 0, "")))
+            return _Snapshot(searcher, generation, *(docs or ()))
         with self._count_lock:  # one walk per reload, however many searches want it at once
             with self._snap_lock:
                 if self._generation == generation and self._docs is not None:
-                    return (searcher, generation, *self._docs)
+                    return _Snapshot(searcher, generation, *self._docs)
             tenants = list(searcher.terms_with_prefix("tenant", ""))
             docs = (sum(n for _, n in tenants), len(tenants),
                     tenants[0][0] if len(tenants) == 1 else "")
             with self._snap_lock:
                 if self._generation == generation:
                     self._docs = docs
-        return (searcher, generation, *docs)
+        return _Snapshot(searcher, generation, *docs)
 
-    def _scoped_stats(self, searcher, generation: int, docs: int, tenants: int, only: str,
-                      tenant: Optional[str], terms: Sequence[str]) -> Optional[TermStats]:
+    def _scoped_stats(self, snap: _Snapshot, tenant: Optional[str],
+                      terms: Sequence[str]) -> Optional[TermStats]:
         """The statistics BM25 should score a tenant's query with where the index holds other
         tenants' documents: its own live documents only. tantivy's count every tenant's
         documents (and deleted ones until a merge), so one tenant's documents would move
@@ -241,19 +251,19 @@ class LexicalIndex:
         a merge, as in tantivy: counting them out on every query after every write would cost a
         large index a posting walk per term). Counted with count queries (live documents only),
         cached per index version; an index of only another tenant's counts none of the caller's."""
-        if tenant is None or (tenants == 1 and only == tenant):
+        if tenant is None or (snap.tenants == 1 and snap.only == tenant):
             return None
         Q, Must = tantivy.Query, tantivy.Occur.Must
         own = Q.term_query(self.schema, "tenant", tenant)
         cache = self._scoped
 
         def count(field: Optional[str], term: Optional[str]) -> int:
-            key = (generation, tenant, field, term)
+            key = (snap.generation, tenant, field, term)
             n = cache.get(key)
             if n is None:
                 q = own if field is None else Q.boolean_query(
                     [(Must, Q.term_query(self.schema, field, term)), (Must, own)])
-                n = cache[key] = int(searcher.search(q, 1, count=True).count)
+                n = cache[key] = int(snap.searcher.search(q, 1, count=True).count)
                 if len(cache) > self.SCOPED_CACHE:
                     cache.clear()
             return n
@@ -268,13 +278,15 @@ class LexicalIndex:
         """This index's BM25 statistics for a query's terms (and its expansion terms): the
         documents counted and, per term, how many hold it in the text and in the title - the
         tenant's live documents when they differ from the index's (see _scoped_stats)."""
-        searcher, generation, docs, tenants, only = self._snapshot(count=True)
+        snap = self._snapshot(count=True)
         terms = list(self.query_terms(text)) + [t for t, _ in expansion]
-        scoped = self._scoped_stats(searcher, generation, docs, tenants, only, tenant, terms)
+        scoped = self._scoped_stats(snap, tenant, terms)
         if scoped is not None:
             return scoped
-        return TermStats(docs, tuple((t, searcher.doc_freq("text", t), searcher.doc_freq("title", t))
-                                     for t in dict.fromkeys(terms)))
+        searcher = snap.searcher
+        return TermStats(snap.docs, tuple((t, searcher.doc_freq("text", t),
+                                           searcher.doc_freq("title", t))
+                                          for t in dict.fromkeys(terms)))
 
     def close(self) -> None:
         """Let background merges finish and release the directory lock."""
@@ -330,13 +342,12 @@ class LexicalIndex:
         terms = self.query_terms(text)
         if not terms or k <= 0:
             return [], []
-        searcher, generation, docs, tenants, only = self._snapshot(count=stats is not None or
-                                                                   tenant is not None)
+        snap = self._snapshot(count=stats is not None or tenant is not None)
+        searcher, docs = snap.searcher, snap.docs
         weighted = [(t, 1.0 + math.log(n)) for t, n in terms.items()]
         weighted += [(t, float(w)) for t, w in expansion if t not in terms]
         if stats is None:  # one shard: the tenant's own live statistics where they differ
-            stats = self._scoped_stats(searcher, generation, docs, tenants, only, tenant,
-                                       [t for t, _ in weighted])
+            stats = self._scoped_stats(snap, tenant, [t for t, _ in weighted])
         shared = {} if stats is None else {t: (text_df, title_df) for t, text_df, title_df in stats.df}
         Q, Occur = tantivy.Query, tantivy.Occur
         should = []

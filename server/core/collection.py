@@ -264,7 +264,7 @@ class CollectionStore:
     def file_problems(self, name: str, build_id: str) -> list[str]:
         """What is wrong with the build's files against what it recorded of them: every shard's
         document store must be there, and every recorded file must have its size and sha256."""
-        from server.backends.dense import recorded_file_problem
+        from server.backends.dense import recorded_problems
 
         desc = self.descriptor(name, build_id)
         build_dir = self.build_dir(name, build_id)
@@ -274,17 +274,7 @@ class CollectionStore:
             store = build_dir / shard / "docstore.sqlite"
             if not store.is_file():
                 problems.append(f"missing {store}")
-            todo = [(build_dir / shard, desc.shard_files.get(shard, {}))]
-            while todo:  # {file: {bytes, sha256}}, and {"tenants/T": {...}} for dedicated indexes
-                base, files = todo.pop()
-                for fname, want in files.items():
-                    path = base / fname
-                    if "bytes" not in want:
-                        todo.append((path, want))
-                        continue
-                    problem = recorded_file_problem(path, want)  # as a server's load checks it
-                    if problem:
-                        problems.append(f"{path} {problem}")
+            problems += recorded_problems(build_dir / shard, desc.shard_files.get(shard, {}))
         return problems
 
     def verify_files(self, name: str, build_id: str) -> None:

@@ -653,32 +653,8 @@ class QueryPipeline:
             t = self._stamp(st, "rerank", t)
         a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
         for _ in range(self.DEEPEN_ROUNDS):
-            if not self._can_deepen(st, a):
+            if not self._can_deepen(st, a) or not await self._retrieve_deeper(st, deadline):
                 break
-            # a single retriever's page came out short with its list full: duplicates (or
-            # passages over the token budget) took the candidates, and more may lie deeper.
-            # Best effort: a round that fails, or finds no time, leaves the page as it is.
-            loop = asyncio.get_running_loop()
-            left = None if deadline is None else deadline - loop.time()
-            if left is not None and left <= 0:
-                break
-            kept = (st.sq, st.shard_results, st.shard_errors, st.dense, st.lexical,
-                    dict(st.timings))
-            d, lx = st.sq.dense_depth, st.sq.lexical_depth
-            st.sq = replace(st.sq, dense_depth=min(limits.MAX_DEPTH, 4 * d) if d else 0,
-                            lexical_depth=min(limits.MAX_DEPTH, 4 * lx) if lx else 0)
-            # half the time left: the rest stays for reading and assembling the deeper page
-            await self._retrieve([st], None if left is None else loop.time() + left / 2)
-            if st.error is not None or st.shard_errors:
-                why = st.error or st.shard_errors[0]
-                st.error = None
-                (st.sq, st.shard_results, st.shard_errors, st.dense, st.lexical,
-                 st.timings) = kept
-                st.notes.append(f"deeper retrieval skipped ({why}): the page may be short")
-                break
-            self._fuse(st)
-            st.notes.append(f"retrieved {max(st.sq.dense_depth, st.sq.lexical_depth)} deep: "
-                            f"duplicates or the token budget left the page short")
             ranked = pre_rerank = self._single_ranking(st, dense_kind)
             a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
         self._stamp(st, "assembly", t)
@@ -711,9 +687,9 @@ class QueryPipeline:
         dropped as repeats (or as another tenant's or scope's, defence in depth) and the budget
         (if any) did not end the page, or the budget took none at all - a budget that holds
         fewer than top_k passages is how budgets work, not a short page; a single retriever
-        whose depth the request did not pin, whose
-        list came back full (more may exist), not reranked (the rerank window is the request's)
-        and not expanded (RM3 reads the first round)."""
+        whose depth the request did not pin, whose list came back full (more may exist), not
+        reranked (the rerank window is the request's) and not expanded (RM3 reads the first
+        round)."""
         q = st.q
         if a.full or st.mode not in ("dense", "lexical") or q.rerank_depth or st.shard_errors:
             return False
@@ -730,6 +706,30 @@ class QueryPipeline:
             if self._expansion_n(st):
                 return False
         return not pinned and got >= depth and depth < limits.MAX_DEPTH
+
+    async def _retrieve_deeper(self, st: _Query, deadline: Optional[float]) -> bool:
+        """The query's retriever again, 4x deeper, on half the time left (the rest stays for
+        reading and assembling the deeper page). Best effort: a round that fails, or finds no
+        time, leaves the query as it was (with a note when it failed) and returns False."""
+        loop = asyncio.get_running_loop()
+        left = None if deadline is None else deadline - loop.time()
+        if left is not None and left <= 0:
+            return False
+        kept = (st.sq, st.shard_results, st.shard_errors, st.dense, st.lexical, dict(st.timings))
+        d, lx = st.sq.dense_depth, st.sq.lexical_depth
+        st.sq = replace(st.sq, dense_depth=min(limits.MAX_DEPTH, 4 * d) if d else 0,
+                        lexical_depth=min(limits.MAX_DEPTH, 4 * lx) if lx else 0)
+        await self._retrieve([st], None if left is None else loop.time() + left / 2)
+        if st.error is not None or st.shard_errors:
+            why = st.error or st.shard_errors[0]
+            st.error = None
+            st.sq, st.shard_results, st.shard_errors, st.dense, st.lexical, st.timings = kept
+            st.notes.append(f"deeper retrieval skipped ({why}): the page may be short")
+            return False
+        self._fuse(st)
+        st.notes.append(f"retrieved {max(st.sq.dense_depth, st.sq.lexical_depth)} deep: "
+                        f"duplicates or the token budget left the page short")
+        return True
 
     async def _assemble(self, st: _Query, ranked: list[RankedHit], tenant: str,
                         acl_scopes: tuple, deadline: Optional[float]) -> ContextAssembler:

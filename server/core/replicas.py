@@ -339,17 +339,19 @@ class ReplicaSet:
                     a.replica = self._name(i)
 
         pinned = {q.replica for q in queries}
-        name = pinned.pop() if len(pinned) == 1 else ""
-        first = next((j for j in range(len(self.replicas)) if name and self._name(j) == name), None)
+        first = self._index_of(pinned.pop() if len(pinned) == 1 else "")
         return await self._hedged(lambda r, t: r.search(queries, t), timeout, check, first=first,
                                   timed=not all(q.stats_only for q in queries))
 
     async def fetch(self, request: FetchRequest, timeout: Optional[float] = None) -> list[Candidate]:
         """From the replica that ranked the rows (FetchRequest.replica) first, under the usual
         policy otherwise; the caller checks that each row still holds the chunk it ranked."""
-        first = next((j for j in range(len(self.replicas))
-                      if request.replica and self._name(j) == request.replica), None)
-        return await self._hedged(lambda r, t: r.fetch(request, t), timeout, first=first)
+        return await self._hedged(lambda r, t: r.fetch(request, t), timeout,
+                                  first=self._index_of(request.replica))
+
+    def _index_of(self, name: str) -> Optional[int]:
+        """The replica of that name (a pinned round's), or None: the policy picks."""
+        return next((j for j in range(len(self.replicas)) if name and self._name(j) == name), None)
 
     async def apply(self, writes: Sequence[ShardWrite],
                     timeout: Optional[float] = None) -> list[WriteOutcome]:

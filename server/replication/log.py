@@ -37,6 +37,7 @@ from server.errors import FailedPrecondition, InvalidArgument, SearchError
 from server.replication.jetstream import JetStreamWriteLog, ShardLogReader, WriteLogError
 
 log = logging.getLogger(__name__)
+HEADER_ALLOWANCE = 1024  # bytes kept for an append's headers within the server's max_payload
 
 
 def nats_options(config: ReplicationConfig) -> dict:
@@ -118,8 +119,8 @@ class ReplicatedWriteLog:
                 f"this write's log entry (text, chunk texts and vectors) is {len(payload):,} "
                 f"bytes; the write log takes at most {self.js.max_payload - HEADER_ALLOWANCE:,} "
                 f"(the NATS server's max_payload of {self.js.max_payload:,} less "
-                f"{HEADER_ALLOWANCE:,} for headers): raise max_payload (deploy/ and scripts/nats.sh set 8 MB) or "
-                f"split the document")
+                f"{HEADER_ALLOWANCE:,} for headers): raise max_payload (deploy/ and "
+                f"scripts/nats.sh set 8 MB) or split the document")
         result = await self.js.publish(shard, payload, msg_id, self.config.publish_timeout_s)
         if not result.duplicate:
             return result.seq, False
@@ -134,9 +135,6 @@ class ReplicatedWriteLog:
 
     async def close(self) -> None:
         await self.js.close()
-
-
-HEADER_ALLOWANCE = 1024  # bytes kept for an append's headers within the server's max_payload
 
 
 def _same_write(held: bytes, message) -> bool:

@@ -57,10 +57,14 @@ def prepare(build_shard: Path, state_shard: Path, files: Optional[dict] = None) 
     store, BM25 segments - are checked against what the build recorded of them (`files`, the
     descriptor's shard_files) once, before the state is made from them: a damaged build is
     refused by name, never served."""
+    from server.backends.dense import recorded_problems  # (faiss: only when a shard loads)
+
     if (state_shard / READY).is_file():
         return state_shard
-    _check_recorded(build_shard, {k: v for k, v in (files or {}).items()
-                                  if k in ("vectors.npy", "docstore.sqlite", "lexical")})
+    problems = recorded_problems(build_shard, {k: v for k, v in (files or {}).items()
+                                               if k in ("vectors.npy", "docstore.sqlite", "lexical")})
+    if problems:
+        raise IndexCorruptError(f"build file {problems[0]}")
     parent = check_writable(state_shard.parent)
     with open(parent / f".{state_shard.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two processes opening one shard's state: one copies
@@ -80,18 +84,6 @@ def prepare(build_shard: Path, state_shard: Path, files: Optional[dict] = None) 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return state_shard
-
-
-def _check_recorded(base: Path, files: dict) -> None:
-    from server.backends.dense import recorded_file_problem
-
-    for name, want in files.items():
-        if "bytes" not in want:  # a directory's files
-            _check_recorded(base / name, want)
-            continue
-        problem = recorded_file_problem(base / name, want)
-        if problem:
-            raise IndexCorruptError(f"build file {base / name} {problem}")
 
 
 def _copy_store(src: Path, dst: Path) -> None:
