@@ -109,11 +109,19 @@ def _own_vectors(documents: list[Document], vectors: Optional[np.ndarray],
         if any(v is None for v in given):
             missing = next(d.doc_id for d in documents if d.vector is None)
             raise ValueError(f"document {missing!r} has no vector while others do")
+        dim = len(given[0])
+        odd = next((d for d in documents if len(d.vector) != dim), None)
+        if odd is not None:
+            raise ValueError(f"document {odd.doc_id!r} has a vector of dimension {len(odd.vector)} "
+                             f"and document {documents[0].doc_id!r} one of {dim}: give every "
+                             "document a vector of one dimension")
         vectors = np.asarray(given, dtype=np.float32)
     vectors = np.asarray(vectors, dtype=np.float32)
     if vectors.ndim != 2 or len(vectors) != len(documents):
         raise ValueError(f"{len(vectors) if vectors.ndim else 0} vectors for {len(documents)} "
                          "documents: give one per document, in corpus order")
+    if vectors.shape[1] == 0:
+        raise ValueError("the vectors have dimension 0: give each document a non-empty vector")
     if not np.isfinite(vectors).all():
         bad = int(np.flatnonzero(~np.isfinite(vectors).all(axis=1))[0])
         raise ValueError(f"the vector of document {documents[bad].doc_id!r} (row {bad}) has NaN or "

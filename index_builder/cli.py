@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "k_factor) whose held-out recall@10 meets this; knobs given explicitly are "
                         "kept as they are (0 = do not tune)")
     b.add_argument("--vectors", type=Path, default=None,
-                   help="your own embeddings: .npy with one row per corpus document, in corpus "
-                        "order (or a 'vector' field on every JSONL line); each document is then "
+                   help="your own embeddings: .npy with one row per corpus record (non-blank "
+                        "line), in corpus order, a record skipped for having no text keeping its "
+                        "row (or a 'vector' field on every JSONL line); each document is then "
                         "one chunk and nothing is embedded")
     b.add_argument("--model-id", default=None,
                    help="with your own vectors: the id of the model that made them (query "
@@ -157,6 +158,32 @@ def _knobs(args) -> tuple[dict, bool]:
     return {**SearchKnobs().__dict__, **given}, not given and bool(args.target_recall)
 
 
+def vectors_of_records(vectors, docs: list, tally: dict):
+    """The rows of a --vectors file that belong to `docs`: row i is the corpus's record i (its
+    i-th non-blank line), kept or not - a record skipped for having no text keeps its row, so a
+    skip or --limit never moves a vector onto another document. With the whole corpus read
+    (`tally` filled) the file must hold exactly one row per record."""
+    if any(d.vector is not None for d in docs):
+        raise ValueError("the corpus carries `vector` fields and --vectors was given: use one "
+                         "or the other")
+    if vectors.ndim != 2:
+        raise ValueError(f"--vectors holds an array of shape {vectors.shape}; it needs one row "
+                         "per corpus record (records x dimension)")
+    records = tally.get("records")
+    if records is not None and len(vectors) != records:
+        skipped = tally.get("skipped", 0)
+        raise ValueError(f"{len(vectors)} vectors for a corpus of {records} records"
+                         f"{f' ({skipped} skipped for having no text)' if skipped else ''}: give "
+                         "one row per record (non-blank line) of the corpus, in order")
+    rows = [d.record for d in docs]
+    if rows and max(rows) >= len(vectors):
+        last = max(docs, key=lambda d: d.record)
+        raise ValueError(f"{len(vectors)} vectors, but document {last.doc_id!r} is record "
+                         f"{last.record + 1} of the corpus: give one row per record (non-blank "
+                         "line) of the corpus, in order")
+    return vectors[rows] if rows else vectors[:0]
+
+
 def cmd_build(args) -> int:
     from itertools import chain, islice
 
@@ -167,12 +194,15 @@ def cmd_build(args) -> int:
     from server.core.collection import CollectionStore
 
     store = CollectionStore(args.data_dir)
-    docs = read_corpus(args.corpus, args.tenant)
+    tally: dict = {}
+    docs = read_corpus(args.corpus, args.tenant, tally)
     if args.limit:
         docs = islice(docs, args.limit)
-    vectors = np.load(args.vectors, allow_pickle=False) if args.vectors else None
-    if args.vectors is not None and args.limit:
-        vectors = vectors[:args.limit]
+    vectors = None
+    if args.vectors is not None:
+        kept = list(docs)
+        vectors = vectors_of_records(np.load(args.vectors, allow_pickle=False), kept, tally)
+        docs = iter(kept)
     audit_queries = np.load(args.audit_queries, allow_pickle=False) if args.audit_queries else None
     first = next(docs, None)  # a corpus that carries its vectors needs no model: look before loading one
     docs = chain([first], docs) if first is not None else iter(())

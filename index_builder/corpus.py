@@ -21,6 +21,7 @@ class Document:
     acl: tuple = ()  # scopes allowed to read it; empty = every caller of its tenant
     version: int = 1
     vector: Optional[list] = None  # your own embedding of this document (one chunk), if any
+    record: int = -1  # its position among the corpus file's records (non-blank lines), from 0
 
 
 def _check_unicode(value, field: str) -> None:
@@ -51,18 +52,24 @@ def check_document(doc: Document) -> None:
         raise ValueError(f"tenant {doc.tenant!r} must match {NAME.pattern}")
 
 
-def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Document]:
+def read_corpus(path: Path, default_tenant: str = "default",
+                tally: Optional[dict] = None) -> Iterator[Document]:
     """Yield documents; a malformed line raises ValueError naming the file and line. A document
     with neither text nor title is skipped (nothing could find it; the write API refuses one),
-    and the skips are reported on stderr."""
+    and the skips are reported on stderr. Each document knows its record number (`record`: the
+    non-blank lines before it), skipped ones counted, so rows of a vectors file made line by
+    line stay with their documents. Once the file is read to its end, `tally` (if given) holds
+    "records" and "skipped"."""
     path = Path(path)
     if path.is_dir():
         path = path / "corpus.jsonl"
     skipped: list[str] = []
+    record = -1
     with open(path, "rb") as f:  # decoded line by line: a bad byte is reported with its line
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
+            record += 1
             try:
                 obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
                 doc_id = obj.get("_id", obj.get("id"))
@@ -87,7 +94,7 @@ def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Documen
                 doc = Document(str(doc_id), str(obj["text"]), str(obj.get("title") or ""),
                                {str(k): str(v) for k, v in meta.items()},
                                str(obj.get("tenant") or default_tenant), tuple(str(a) for a in acl),
-                               version, vector)
+                               version, vector, record)
                 if not (doc.text.strip() or doc.title.strip()):
                     skipped.append(f"{path}:{lineno} ({doc.doc_id!r})")
                     continue
@@ -95,6 +102,8 @@ def read_corpus(path: Path, default_tenant: str = "default") -> Iterator[Documen
             except ValueError as exc:
                 raise ValueError(f"{path}:{lineno}: {exc}") from None
             yield doc
+    if tally is not None:
+        tally.update(records=record + 1, skipped=len(skipped))
     if skipped:
         print(f"index-builder: skipped {len(skipped)} document(s) with neither text nor title: "
               f"{', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}", file=sys.stderr)

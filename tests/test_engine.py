@@ -866,8 +866,9 @@ def test_a_chunk_that_fails_the_whole_batch_stops_the_other_chunks():
     pipeline = QueryPipeline(None, None, PipelineConfig(batch_chunk=2), 0, None)
     started, cancelled = [], []
 
-    async def chunk(queries, tenant, acl_scopes, deadline):  # stands in for one chunk's run
-        started.append(list(queries))
+    async def chunk(states, tenant, acl_scopes, deadline, t_start, stats=None):  # one chunk's run
+        queries = [st.q for st in states]
+        started.append(queries)
         if queries[0] == 2:
             raise DeadlineExceeded("deadline passed before retrieval")
         try:
@@ -877,6 +878,8 @@ def test_a_chunk_that_fails_the_whole_batch_stops_the_other_chunks():
             raise
 
     pipeline._search = chunk
+    pipeline._prepare = lambda st, tenant, acl_scopes: None  # the stand-in queries are valid
+    pipeline._collection_term_stats = lambda *args: None     # and need no statistics round
 
     async def go():
         with pytest.raises(DeadlineExceeded):  # (unchunked, the lone call would wait forever)
@@ -925,3 +928,32 @@ def test_a_statistics_round_answers_per_query_beside_searches_and_off_the_schedu
     assert all(text_df > 0 for _, text_df, _ in st.df)
     assert mixed[0].term_stats == st and not mixed[0].lexical
     assert mixed[1].term_stats is None and len(mixed[1].lexical) == 5 and len(mixed[1].dense) == 10
+
+
+def test_a_querys_answer_does_not_depend_on_the_depth_of_its_batch_neighbours(tmp_path, rng):
+    """Regression (outside QA): a group was searched with the largest depth of its queries, and an
+    approximate index searches deeper for a larger k (HNSW's efSearch is at least k), so a query
+    coalesced with a deep one answered otherwise than alone: Search and SearchBatch, or one
+    caller's repeats under other callers' traffic, disagreed."""
+    from index_builder.corpus import Document
+    from server.core.collection import CollectionStore
+    from server.core.engine.index import ShardIndex
+
+    n, dim = 3000, 32
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    docs = [Document(f"d{i}", f"document {i}") for i in range(n)]
+    desc = publish_build(tmp_path, "hn", docs, None, "HNSW8,Flat", vectors=x, model_id="m",
+                         search_defaults={"ef_search": 8})
+    index = ShardIndex(desc, CollectionStore(tmp_path).build_dir("hn", desc.build_id),
+                       tmp_path / ".state", 0, None, 0)
+    try:
+        shallow = [query(desc, "default", v, depth=10) for v in rng.standard_normal((40, dim))]
+        alone = [index.search_group([q])[0] for q in shallow]
+        deep = query(desc, "default", rng.standard_normal(dim), depth=300)
+        mixed = index.search_group(shallow + [deep])
+    finally:
+        index.close()
+    assert {r.batch_size for r in mixed} == {41}  # one group: the depths shared a call before
+    for a, m in zip(alone, mixed):
+        assert [(c.chunk_id, c.score) for c in m.dense] == [(c.chunk_id, c.score) for c in a.dense]
+    assert len(mixed[-1].dense) == 300

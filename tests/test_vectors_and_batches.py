@@ -196,12 +196,54 @@ def test_a_large_batch_runs_in_chunks_of_one_message_per_shard_with_the_same_ans
         assert sum(n for s, n in calls if s == no) == 12  # every valid query once, none twice
 
 
+def test_a_chunked_batch_asks_the_shards_for_its_statistics_once(vector_collection, tmp_path):
+    """Regression (outside QA): each chunk of a large lexical batch ran its own statistics round
+    on a 2-shard collection, concurrently with the other chunks' searches; queued behind them a
+    round could pass its budget and leave a whole chunk scored on per-shard statistics (scores
+    differing from Search's). One round now serves the whole batch; the chunks still search
+    apart, and every answer equals its own Search's."""
+    queries = [pb.SearchRequest(collection="vec", text=f"vector document zyxvec{i}", top_k=5,
+                                mode=pb.LEXICAL) for i in range(14)]
+    srv = start_core_server(vector_collection[0], None,
+                            pipeline={"batch_chunk": 4, "retrieval_cache_size": 0},
+                            storage={"state_dir": tmp_path / "state"})
+    calls = []
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            singles = [stub.Search(r, timeout=10) for r in queries]
+            for shard in shards_of(srv, "vec"):
+                def counted(batch, timeout=None, inner=shard.search, no=shard.shard_no):
+                    calls.append((no, batch[0].stats_only, len(batch)))
+                    return inner(batch, timeout)
+                shard.search = counted
+            got = stub.SearchBatch(pb.SearchBatchRequest(queries=queries), timeout=30).results
+    finally:
+        srv.stop()
+    for no in (0, 1):
+        assert [n for s, stats, n in calls if s == no and stats] == [14]  # one round for all
+        assert sorted(n for s, stats, n in calls if s == no and not stats) == [2, 4, 4, 4]
+    for single, answer in zip(singles, got):
+        assert answer.code == 0 and len(single.hits) == 5
+        assert [(h.chunk_id, h.score) for h in answer.response.hits] == \
+            [(h.chunk_id, h.score) for h in single.hits]
+
+
 def test_a_batch_above_the_cap_is_refused(vec_server, vector_collection):
     _, stub = vec_server
     q = vector_collection[3]
     with pytest.raises(grpc.RpcError) as err:
         stub.SearchBatch(pb.SearchBatchRequest(queries=[vreq(q[0])] * 1025), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "1024" in err.value.details()
+    # outside QA: queries that failed to decode were left out before the count, so 1,024 valid
+    # ones and any number of undecodable ones got past the cap, and an empty batch answered OK
+    undecodable = pb.SearchRequest(collection="vec", mode=9)
+    for queries in ([vreq(q[0])] * 1024 + [undecodable], [undecodable] * 1025, []):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SearchBatch(pb.SearchBatchRequest(queries=queries), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert ("1025 queries" in err.value.details() if queries
+                else "at least one query" in err.value.details())
 
 
 def test_the_builder_takes_vectors_from_the_command_line(tmp_path):
@@ -218,7 +260,7 @@ def test_the_builder_takes_vectors_from_the_command_line(tmp_path):
                               cwd=REPO, capture_output=True, text=True, timeout=300)
 
     out = build(tmp_path / "wrong.npy", "--model-id", "m@1")
-    assert out.returncode == 2 and "299 vectors for 300 documents" in out.stderr
+    assert out.returncode == 2 and "299 vectors for a corpus of 300 records" in out.stderr
     out = build(tmp_path / "v.npy")
     assert out.returncode == 2 and "--model-id" in out.stderr
     out = build(tmp_path / "v.npy", "--model-id", "m@1", "--publish")
@@ -239,6 +281,71 @@ def test_the_builder_takes_vectors_from_the_command_line(tmp_path):
     out = subprocess.run([*audit, "--audit-queries", str(tmp_path / "q8.npy")], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "audit queries must be an (n, 16) array" in out.stderr, out.stderr
+
+
+def test_a_skipped_record_keeps_its_vector_row_with_or_without_a_limit(tmp_path):
+    """Regression (outside QA): the reader skips a record with no text, and the builder paired
+    the documents after it with the vectors of the records before them (`--limit` sliced the
+    file by documents kept, not by records): a search with a document's own vector found its
+    neighbour at score 1. Row i of --vectors now always belongs to record i."""
+    import sqlite3
+
+    rng = np.random.default_rng(3)
+    empty = {5, 30}
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "text": "" if i in empty else f"doc {i}"})
+                              + "\n" for i in range(60)))
+    vectors = rng.standard_normal((60, 8)).astype(np.float32)
+    np.save(tmp_path / "v.npy", vectors)
+    np.save(tmp_path / "short.npy", vectors[:58])  # one row per document kept: not records
+
+    def build(name, vectors_file, *extra):
+        return subprocess.run([sys.executable, "-m", "index_builder.cli", "build", "--data-dir",
+                               str(tmp_path / "data"), "--collection", name, "--corpus", str(corpus),
+                               "--vectors", str(vectors_file), "--model-id", "m", "--quiet",
+                               *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    def stored(name):
+        shard = next((tmp_path / "data" / name / "builds").glob("*/shard-000"))
+        con = sqlite3.connect(f"file:{shard / 'docstore.sqlite'}?immutable=1", uri=True)
+        rows = dict(con.execute("select row, doc_id from chunks"))
+        con.close()
+        return rows, np.load(shard / "vectors.npy")
+
+    for name, extra, kept in (("limited", ("--limit", "40"), 40), ("whole", (), 58)):
+        out = build(name, tmp_path / "v.npy", *extra)
+        assert out.returncode == 0, out.stderr
+        rows, got = stored(name)
+        assert len(rows) == kept
+        for row, doc_id in rows.items():
+            want = vectors[int(doc_id[1:])]
+            assert np.allclose(got[row], want / np.linalg.norm(want), atol=1e-6), doc_id
+    out = build("short", tmp_path / "short.npy")
+    assert out.returncode == 2
+    assert "58 vectors for a corpus of 60 records (2 skipped for having no text)" in out.stderr
+
+
+def test_own_vectors_of_no_dimension_ragged_or_given_twice_are_refused_by_name(tmp_path):
+    """Outside QA: (n, 0) vectors built a 0-dimensional collection under l2, ragged `vector`
+    fields failed with numpy's "inhomogeneous shape" naming nothing, and `vector` fields beside
+    --vectors were silently ignored."""
+    from index_builder.build import build_collection
+    from index_builder.cli import vectors_of_records
+    from index_builder.corpus import Document
+    from server.core.collection import CollectionStore
+
+    store = CollectionStore(tmp_path / "data")
+    docs = [Document("a", "first", record=0), Document("b", "second", record=1)]
+    with pytest.raises(ValueError, match="dimension 0"):
+        build_collection(docs, store, "z", None, "Flat", metric="l2", quiet=True,
+                         vectors=np.zeros((2, 0), np.float32), model_id="m")
+    ragged = [Document("a", "first", vector=[1.0, 0.0, 0.0]), Document("b", "second", vector=[0.0, 1.0])]
+    with pytest.raises(ValueError, match="document 'b' has a vector of dimension 2 and document "
+                                         "'a' one of 3"):
+        build_collection(ragged, store, "r", None, "Flat", quiet=True, model_id="m")
+    with pytest.raises(ValueError, match="`vector` fields and --vectors"):
+        vectors_of_records(np.ones((2, 3), np.float32), ragged, {"records": 2})
+    assert not list((tmp_path / "data").glob("*/builds/*"))
 
 
 def test_the_builder_takes_vectors_from_the_corpus_lines(tmp_path):

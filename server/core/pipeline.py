@@ -118,12 +118,21 @@ class QueryPipeline:
     async def search(self, queries: Sequence[SearchQuery], tenant: str, acl_scopes: tuple,
                      deadline: Optional[float]) -> list:
         """One answer per query, in order: a SearchResult, or the SearchError of that query."""
+        t_start = time.perf_counter()
+        states = [_Query(q) for q in queries]
+        for st in states:
+            self._prepare(st, tenant, acl_scopes)
         chunk = self.config.batch_chunk
-        if chunk <= 0 or len(queries) <= chunk:
-            return await self._search(queries, tenant, acl_scopes, deadline)
-        tasks = [asyncio.ensure_future(self._search(queries[i:i + chunk], tenant, acl_scopes,
-                                                    deadline))
-                 for i in range(0, len(queries), chunk)]
+        if chunk <= 0 or len(states) <= chunk:
+            return await self._search(states, tenant, acl_scopes, deadline, t_start)
+        # one statistics round for the whole batch before its chunks search: each chunk's own
+        # round would queue behind the other chunks' searches and could run past its budget,
+        # leaving that chunk's queries on per-shard statistics
+        stats_round = self._collection_term_stats(states, tenant, acl_scopes, deadline)
+        stats = {} if stats_round is None else await stats_round
+        tasks = [asyncio.ensure_future(self._search(states[i:i + chunk], tenant, acl_scopes,
+                                                    deadline, t_start, stats))
+                 for i in range(0, len(states), chunk)]
         try:
             parts = await asyncio.gather(*tasks)
         except BaseException:  # an error of the whole batch (its deadline), or a chunk or the
@@ -132,15 +141,15 @@ class QueryPipeline:
             raise
         return [answer for part in parts for answer in part]
 
-    async def _search(self, queries: Sequence[SearchQuery], tenant: str, acl_scopes: tuple,
-                      deadline: Optional[float]) -> list:
-        t_start = time.perf_counter()
-        states = [_Query(q) for q in queries]
-        for st in states:
-            self._prepare(st, tenant, acl_scopes)
+    async def _search(self, states: list[_Query], tenant: str, acl_scopes: tuple,
+                      deadline: Optional[float], t_start: float,
+                      stats: Optional[dict[int, TermStats]] = None) -> list:
+        """The prepared queries' answers; `stats`, when the batch's statistics round ran
+        already (a chunked batch), else the round runs here."""
         t = time.perf_counter()
         # the statistics round needs only the text: it runs while the queries are embedded
-        stats_round = self._collection_term_stats(states, tenant, acl_scopes, deadline)
+        stats_round = (self._collection_term_stats(states, tenant, acl_scopes, deadline)
+                       if stats is None else None)
         to_embed = [st for st in states if st.live and st.mode != "lexical" and st.q.vector is None]
         if to_embed:
             if stats_round is not None:
@@ -155,13 +164,14 @@ class QueryPipeline:
                         stats_round.exception()  # read: it failed first, and nobody else will
                 raise
             t = self._lap(states, "embed", t)
-        stats = {} if stats_round is None else await stats_round
+        if stats is None:
+            stats = {} if stats_round is None else await stats_round
         for st in states:
             if st.live:
                 st.sq = self._shard_query(st, tenant, acl_scopes)
                 if id(st) in stats:
                     st.sq = replace(st.sq, term_stats=stats[id(st)])
-        if stats and not to_embed:
+        if stats_round is not None and not to_embed:  # the round ran here
             t = self._lap(states, "term_stats", t)
         await self._retrieve(states, deadline)
         t = self._lap(states, "retrieve", t)

@@ -24,8 +24,8 @@ from server.core.pipeline import QueryPipeline
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import SearchQuery, SearchResult, WriteRequest
 from server.core.writes import WriteAck, WriteLog, WritePath
-from server.errors import FailedPrecondition, InvalidArgument, Overloaded, SearchError
-from server.core import limits
+from server.core.validation import check_batch_size
+from server.errors import FailedPrecondition, Overloaded, SearchError
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +109,7 @@ class SearchCore:
         """One answer per query: a SearchResult, or that query's SearchError."""
         if not tenant:
             raise FailedPrecondition("no tenant resolved for the caller")
-        if not queries:
-            raise InvalidArgument("a batch needs at least one query")
-        if len(queries) > limits.MAX_BATCH_QUERIES:
-            raise InvalidArgument(f"{len(queries)} queries; a batch takes at most "
-                                  f"{limits.MAX_BATCH_QUERIES}")
+        check_batch_size(len(queries))
         self._admit()
         self.inflight += 1
         metrics.INFLIGHT.inc()

@@ -32,6 +32,15 @@ def check_filters(filters: tuple[Filter, ...]) -> None:
                                   f"{limits.MAX_FILTER_VALUE_CHARS} characters")
 
 
+def check_batch_size(n: int) -> None:
+    """A SearchBatch holds 1 to MAX_BATCH_QUERIES queries, counted as sent (before any is
+    decoded: an undecodable query still costs a slot)."""
+    if not n:
+        raise InvalidArgument("a batch needs at least one query")
+    if n > limits.MAX_BATCH_QUERIES:
+        raise InvalidArgument(f"{n} queries; a batch takes at most {limits.MAX_BATCH_QUERIES}")
+
+
 def check_vector(vector: np.ndarray, model_id: str, desc: ReleaseDescriptor) -> None:
     """A query or chunk vector must carry the build's model id, its dimension, finite values."""
     if not model_id:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from server.core.service import SearchCore
+from server.core.validation import check_batch_size
 from server.core.writes import WriteAck
 from server.errors import SearchError
 from server.rpc import search_pb2 as pb
@@ -51,6 +52,7 @@ class SearchServicer(pb_grpc.SearchServiceServicer):
     @boundary("SearchBatch")
     async def SearchBatch(self, request, context):
         principal = self.auth.authenticate(context.invocation_metadata())
+        check_batch_size(len(request.queries))
         queries, items = [], {}
         for i, r in enumerate(request.queries):
             try:

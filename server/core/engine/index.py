@@ -395,14 +395,20 @@ class ShardIndex:
             allowed = self.row_filter(q0.tenant, filters, scopes)
             dense: list[list] = [[] for _ in range(n)]
             dense_ms = lexical_ms = 0.0
-            with_vec = [i for i, q in enumerate(queries) if q.vector is not None]
-            if with_vec:
+            by_depth: dict[int, list[int]] = {}
+            for i, q in enumerate(queries):
+                if q.vector is not None:
+                    by_depth.setdefault(q.dense_depth, []).append(i)
+            if by_depth:
                 t0 = time.perf_counter()
-                k = max(queries[i].dense_depth for i in with_vec)
-                found = self.dense_search(np.stack([queries[i].vector for i in with_vec]), k,
-                                          q0.tenant, allowed)
-                for i, f in zip(with_vec, found):
-                    dense[i] = f[:queries[i].dense_depth]
+                # one faiss call per depth: an approximate index searches deeper for a larger k
+                # (HNSW's efSearch is at least k, an IVF-PQ shortlist is k_factor x k), so a
+                # query searched with a neighbour's k could answer differently than alone
+                for k, idx in by_depth.items():
+                    found = self.dense_search(np.stack([queries[i].vector for i in idx]), k,
+                                              q0.tenant, allowed)
+                    for i, f in zip(idx, found):
+                        dense[i] = f
                 dense_ms = (time.perf_counter() - t0) * 1e3
             lexical: list[list] = [[] for _ in range(n)]
             term_stats = [self.lexical.term_stats(q.text, q.expansion, q.tenant)
