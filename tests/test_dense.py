@@ -213,10 +213,12 @@ def test_a_graph_search_deeper_than_its_ef_searches_with_ef_k(data):
     assert np.array_equal(top10, want10)
 
 
-def test_an_ivf_page_the_tuned_nprobe_leaves_short_is_filled(tmp_path):
+@pytest.mark.parametrize("dedicated", [None, 1000])
+def test_an_ivf_page_the_tuned_nprobe_leaves_short_is_filled(tmp_path, dedicated):
     """Outside QA: IVF32 with nprobe 1 answered top_k=300 with 165 hits (the one probed list
     held 165), while a filter every document passed - the restricted path - returned 300. The
-    short queries now probe every list: IVF-Flat then answers the exact top-k."""
+    short queries now probe every list: IVF-Flat then answers the exact top-k. So does a
+    tenant's own (dedicated) index, which left such pages short (outside QA, a later round)."""
     import asyncio
 
     import faiss
@@ -228,12 +230,13 @@ def test_an_ivf_page_the_tuned_nprobe_leaves_short_is_filled(tmp_path):
     from server.core.types import SearchQuery
 
     rng = np.random.default_rng(7)
-    x = rng.standard_normal((2000, 16)).astype(np.float32)
+    # a tenant's own index is an IVF from 10,000 vectors (training_size); fewer make it Flat
+    x = rng.standard_normal((10_000 if dedicated else 2000, 16)).astype(np.float32)
     faiss.normalize_L2(x)
     store = CollectionStore(tmp_path)
     desc = build_collection([Document(f"d{i}", f"doc {i}") for i in range(len(x))], store, "ivf",
                             None, "IVF32,Flat", quiet=True, vectors=x, model_id="m",
-                            search_defaults={"nprobe": 1})
+                            search_defaults={"nprobe": 1}, dedicated_tenant_min_chunks=dedicated)
     audit_build(store, "ivf", desc.build_id, min_recall=0.0)
     store.publish("ivf", desc.build_id)
     exact = faiss.IndexFlatIP(16)
@@ -243,6 +246,8 @@ def test_an_ivf_page_the_tuned_nprobe_leaves_short_is_filled(tmp_path):
     _, want = exact.search(q, 300)
     core = make_core(tmp_path, pipeline={"retrieval_cache_size": 0})
     core.load()
+    own = core.registry.get("ivf").shards[0].index.tenant_dense.get("default")
+    assert (own is not None and own.exhaustive_knobs() is not None) == bool(dedicated)
 
     async def go():
         await core.start()

@@ -763,6 +763,39 @@ def test_a_dispatch_timer_fires_once_on_uvloops_millisecond_clock():
     assert 1 <= len(fired) <= 2
 
 
+def test_a_timer_armed_for_now_on_uvloop_can_be_armed_again():
+    """Regression (outside QA): uvloop's call_at answers a plain Handle, without when(), for a
+    time that rounds to now; arming again read when() and failed the shard's whole message
+    (UNAVAILABLE: "'uvloop.loop.Handle' object has no attribute 'when'")."""
+    uvloop = pytest.importorskip("uvloop")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.core.engine.scheduler import SearchScheduler
+
+    run_group, _ = held_first(threading.Event())
+    pool = ThreadPoolExecutor(1)
+    fired = []
+
+    async def go():
+        s = timed_scheduler(SearchScheduler, run_group, pool)
+        s._fire = fired.append
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        s._arm(now - 0.001)   # due already: a Handle, not a TimerHandle, under uvloop
+        assert not hasattr(s._timer, "when")
+        s._arm(now + 60.0)    # later: the armed timer stands
+        s._arm(now - 0.002)   # earlier: replaces it
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return now
+
+    try:
+        now = uvloop.run(go())
+    finally:
+        pool.shutdown()
+    assert fired == [now - 0.002]  # the first was cancelled, the second never armed
+
+
 def test_a_waiting_group_goes_when_its_timer_fires_whatever_the_float_rounding():
     """In about 4 binades of 10, (enqueued + 0.001) - enqueued is just under 0.001: a
     group due at enqueued + timeout must go when its timer fires for that time, not re-arm (this
@@ -957,3 +990,38 @@ def test_a_querys_answer_does_not_depend_on_the_depth_of_its_batch_neighbours(tm
     for a, m in zip(alone, mixed):
         assert [(c.chunk_id, c.score) for c in m.dense] == [(c.chunk_id, c.score) for c in a.dense]
     assert len(mixed[-1].dense) == 300
+
+
+@pytest.mark.parametrize("key, red, blue", [
+    ("team.name", "red", "blue"),                                  # a dot in the key
+    ("published", "2024-05-01T12:00:00Z", "2024-05-02 08:00:00+02:00"),  # RFC 3339 date-times
+    ("plain", "red", "blue"),
+])
+def test_an_equality_filter_restricts_bm25_as_it_restricts_dense(tmp_path, rng, key, red, blue):
+    """Regression (outside QA): lexical filters ran as terms on tantivy's JSON field, which reads
+    a dot in a key as a step into an object and indexes a string that parses as an RFC 3339
+    date-time as a date: both filters matched nothing in lexical mode (and hybrid lost its
+    lexical side) while dense found the documents."""
+    from index_builder.corpus import Document
+    from server.core.collection import CollectionStore
+    from server.core.engine.index import ShardIndex
+    from server.core.types import Filter, ShardQuery
+
+    docs = [Document(f"d{i}", f"quarterly report number {i}", metadata={key: red if i % 2 else blue})
+            for i in range(30)]
+    x = rng.standard_normal((30, 8)).astype(np.float32)
+    desc = publish_build(tmp_path, "mf", docs, None, "Flat", vectors=x, model_id="m")
+    index = ShardIndex(desc, CollectionStore(tmp_path).build_dir("mf", desc.build_id),
+                       tmp_path / ".state", 0, None, 0)
+    try:
+        found = {}
+        for value in (red, blue):
+            q = ShardQuery(desc.build_id, "default", x[0], "m", "quarterly report", 50, 50,
+                           (Filter(key, (value,)),))
+            r = index.search_group([q])[0]
+            found[value] = ({c.record.doc_id for c in r.dense}, {c.record.doc_id for c in r.lexical})
+    finally:
+        index.close()
+    for value, parity in ((red, 1), (blue, 0)):
+        want = {f"d{i}" for i in range(30) if i % 2 == parity}
+        assert found[value] == (want, want), value

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -57,6 +58,25 @@ def analyze(text: str) -> list[str]:
     if analyzer is None:
         analyzer = _local.analyzer = make_analyzer()
     return analyzer.analyze(normalize(text))
+
+
+
+def meta_path(key: str) -> str:
+    """The JSON path of a metadata key: a dot in a key is part of its name, not a step into an
+    object (tantivy reads an unescaped one as a step, and the filter matched nothing)."""
+    return "meta." + key.replace(".", "\\.")
+
+
+# tantivy indexes a JSON string that parses as an RFC 3339 date-time as a date, so a term query
+# for the string never matches it; this is broader than the parse (a wrong month too), which only
+# costs the slower path
+_DATETIME_LIKE = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}")
+
+
+def term_filterable(values: Sequence[str]) -> bool:
+    """Whether an equality filter on these values can run as terms inside the BM25 query; else
+    the caller restricts by the rows the filter allows (as for a range)."""
+    return not any(_DATETIME_LIKE.match(v) for v in values)
 
 
 class _Snapshot(NamedTuple):
@@ -368,7 +388,7 @@ class LexicalIndex:
         if acl_scopes is not None:
             restrict.append(Q.term_set_query(self.schema, "acl", list(acl_scopes)))
         for key, values in equal_filters:
-            restrict.append(Q.term_set_query(self.schema, f"meta.{key}", list(values)))
+            restrict.append(Q.term_set_query(self.schema, meta_path(key), list(values)))
         if rows is not None:
             if not rows:
                 return [], []

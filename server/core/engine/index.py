@@ -43,7 +43,7 @@ from server.backends.dense import DenseIndex, RowFilter, SearchKnobs, exact_sear
 from server.backends.device import Device
 from server.backends.docstore import (PUBLIC_ACL, ChunkRecord, DocStore, FlipEntry,
                                       chunk_fingerprint)
-from server.backends.lexical import LexicalIndex
+from server.backends.lexical import LexicalIndex, term_filterable
 from server.core import metrics
 from server.core.chunking import chunk_id
 from server.core.collection import ReleaseDescriptor, shard_dir_name
@@ -346,6 +346,13 @@ class ShardIndex:
         if sub_filter is not None and sub_filter.count <= self._exact_limit() and exact_ok:
             return None
         scores, rows = sub.search(queries, k, sub_filter)
+        if sub_filter is None and (wide := sub.exhaustive_knobs()) is not None:
+            # an IVF whose probed lists held fewer than k of the tenant's vectors: those queries
+            # probe every list (as the shared index's short pages do)
+            short = [i for i, rr in enumerate(rows) if int((rr >= 0).sum()) < min(k, sub.ntotal)]
+            if short:
+                scores, rows = scores.copy(), rows.copy()
+                scores[short], rows[short] = sub.search(queries[short], k, None, wide, on_cpu=True)
         found = [[(int(sub.row_ids[r]), float(s)) for r, s in zip(rr, ss) if r >= 0]
                  for rr, ss in zip(rows, scores)]
         base_n = self.vectors.base_n
@@ -416,9 +423,12 @@ class ShardIndex:
             with_text = [i for i, q in enumerate(queries) if q.text and not q.stats_only]
             if with_text:
                 t0 = time.perf_counter()
-                ranged = any(f.is_range for f in filters)
-                rows = allowed.rows.tolist() if ranged and allowed is not None else None
-                equal = [(f.key, f.any_of) for f in filters if f.any_of]
+                # ranges, and values tantivy would not match as terms, restrict by the rows the
+                # filters allow (the mask the dense side searched with); the rest as terms
+                equal = [(f.key, f.any_of) for f in filters if f.any_of and term_filterable(f.any_of)]
+                by_rows = any(f.is_range or (f.any_of and not term_filterable(f.any_of))
+                              for f in filters)
+                rows = allowed.rows.tolist() if by_rows and allowed is not None else None
 
                 row_ids = self.dense.row_ids
 

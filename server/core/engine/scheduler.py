@@ -66,7 +66,10 @@ class SearchScheduler:
         self._depth = 0  # queries queued, not yet handed to the device
         self._groups: OrderedDict[tuple, deque[_Pending]] = OrderedDict()
         self._running = 0
-        self._timer: Optional[asyncio.TimerHandle] = None
+        # the armed dispatch timer and the time it was armed for (uvloop's call_at answers a
+        # plain Handle, without when(), for a time that rounds to now)
+        self._timer: Optional[asyncio.Handle] = None
+        self._timer_when = 0.0
         self._soon: Optional[asyncio.Handle] = None
         self._turn_over = False
         self._closing = False
@@ -144,11 +147,12 @@ class SearchScheduler:
 
     def _arm(self, when: float) -> None:
         loop = asyncio.get_running_loop()
-        if self._timer is not None and self._timer.when() <= when:
+        if self._timer is not None and self._timer_when <= when:
             return
         if self._timer is not None:
             self._timer.cancel()
         self._timer = loop.call_at(when, self._fire, when)
+        self._timer_when = when
 
     def _next_turn(self) -> None:
         """The loop turn after a query found a device thread free: what queued meanwhile goes."""
