@@ -168,6 +168,31 @@ def test_a_deeper_round_that_fails_leaves_the_first_page(tmp_path, tiny_embedder
     assert any("deeper retrieval skipped" in n for n in r.notes)
 
 
+def test_allow_partial_answers_from_some_shards_but_not_from_none(tmp_path, tiny_embedder):
+    """Outside QA: with every shard failed, allow_partial answered OK with no hits (partial, the
+    errors listed), which a client reads as "nothing matches". Partial means some shards."""
+    from conftest import DelegatingShard
+    from index_builder.corpus import Document
+    from server.errors import Unavailable
+
+    class Down(DelegatingShard):
+        async def search(self, queries, timeout=None):
+            raise Unavailable("injected: down")
+
+    docs = [Document(f"d{i}", f"shock tube experiment number {i} with nozzle {i * 7}")
+            for i in range(20)]
+    core = _served(tmp_path, tiny_embedder, docs, shards=2)
+    shards = core.registry.get("dup").shards
+    shards[1] = Down(shards[1])
+    [r] = _search(core, dict(text="shock tube", top_k=5, mode="lexical", allow_partial=True))
+    assert r.partial and r.hits and {h.candidate.shard for h in r.hits} == {0}
+    core = _served(tmp_path / "again", tiny_embedder, docs, shards=2)
+    shards = core.registry.get("dup").shards
+    shards[0], shards[1] = Down(shards[0]), Down(shards[1])
+    with pytest.raises(Unavailable, match="2 of 2 shards failed"):
+        _search(core, dict(text="shock tube", top_k=5, mode="lexical", allow_partial=True))
+
+
 def test_repeats_and_a_budget_read_deeper_only_until_the_budget_ends_the_page(tmp_path,
                                                                               tiny_embedder):
     """Outside QA (re-probe): with duplicates and a budget that holds one passage, a dense

@@ -33,7 +33,9 @@ class Encoders:
         self.rerank_batcher = (MicroBatcher("rerank", reranker.score, max_batch,
                                             config.rerank_max_tokens, config.batch_max_wait_ms)
                                if reranker is not None else None)
-        self._cache: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+        # (vector, token count when the text may have been truncated): a cached answer says
+        # what the first did
+        self._cache: OrderedDict[tuple[str, str], tuple[np.ndarray, Optional[int]]] = OrderedDict()
 
     @property
     def model_id(self) -> Optional[str]:
@@ -80,12 +82,16 @@ class Encoders:
         if cached is not None:
             self._cache.move_to_end(key)
             metrics.labelled(metrics.EMBED_CACHE, "hit").inc()
-            return cached
-        metrics.labelled(metrics.EMBED_CACHE, "miss").inc()
-        vec, tokens = await self.embed_batcher.submit(text, self._estimate(text), deadline, background)
+            vec, tokens = cached
+        else:
+            metrics.labelled(metrics.EMBED_CACHE, "miss").inc()
+            vec, tokens = await self.embed_batcher.submit(text, self._estimate(text), deadline,
+                                                          background)
         if tokens is not None and tokens > self.embedder.max_length and notes is not None:
             notes.append(f"query has {tokens} tokens; embedded its first {self.embedder.max_length}")
-        self._cache[key] = vec
+        if cached is not None:
+            return vec
+        self._cache[key] = (vec, tokens)
         if len(self._cache) > self.config.embedding_cache_size:
             self._cache.popitem(last=False)
         return vec

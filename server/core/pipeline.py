@@ -251,7 +251,9 @@ class QueryPipeline:
         if None in versions or q.include_trace:
             return None
         vec = (hashlib.sha256(q.vector.tobytes()).hexdigest(), q.vector_model_id) if q.vector is not None else None
-        return (st.coll.desc.build_id, versions, " ".join(q.text.split()), vec, st.mode, tenant,
+        # the text as sent: a normalisation of our own could fold two texts the tokenizer tells
+        # apart (str.split() counts U+001F as a space; the tokenizer deletes it)
+        return (st.coll.desc.build_id, versions, q.text, vec, st.mode, tenant,
                 acl_scopes, q.filters, q.top_k, q.dense_depth, q.lexical_depth, q.rrf_k,
                 q.rerank_depth, q.context_token_budget, q.allow_partial, q.feedback_docs,
                 q.feedback_weight, q.lexical_feedback_terms, q.dense_weight, q.fusion)
@@ -421,7 +423,7 @@ class QueryPipeline:
                 errors.append((shard.shard_no, a))
             else:
                 ok.append(a)
-        if errors and not st.q.allow_partial:
+        if errors and (not st.q.allow_partial or not ok):  # partial: some shards, not none
             first = errors[0][1]
             detail = "; ".join(f"shard {n}: {e}" for n, e in errors)
             what = "did not answer in time" if isinstance(first, DeadlineExceeded) else "failed"
