@@ -84,6 +84,7 @@ def _search(core, *requests):
     return asyncio.run(go())
 
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -106,6 +107,47 @@ def test_duplicates_never_leave_a_single_retriever_page_short(tmp_path, tiny_emb
     assert len(ids) == 5 and len({h.candidate.record.text for h in r.hits}) == 5
     assert sum(i.startswith("dup") for i in ids) == 1
     assert any("deep" in n for n in r.notes)
+
+
+def test_duplicates_never_leave_a_hybrid_page_short(tmp_path):
+    """Outside QA: with duplicates filling both of a hybrid query's lists, the page came back
+    with 1 hit for top_k 20 where thousands of passages match (the single retrievers read
+    deeper; hybrid did not). Both lists are now read deeper, fused again with the dense
+    feedback, and the page fills; its first hit stays the first."""
+    import asyncio
+
+    from conftest import make_core, publish_build
+    from index_builder.corpus import Document
+    from server.core.types import SearchQuery
+
+    same = "shock wave interaction with a boundary layer"
+    docs = [Document(f"dup{i}", same) for i in range(40)]
+    docs += [Document(f"other{i}", f"shock tube experiment number {i} with a new nozzle of "
+                                   f"{i * 7} degrees and a long supply line of pressure")
+             for i in range(6)]
+    rng = np.random.default_rng(9)
+    near = np.array([1.0, 0.0, 0.0, 0.0], np.float32)
+    x = np.vstack([np.tile(near, (40, 1)) + 0.01 * rng.standard_normal((40, 4)),
+                   np.array([0.0, 1.0, 0.0, 0.0]) + 0.01 * rng.standard_normal((6, 4))])
+    publish_build(tmp_path, "dup", docs, None, vectors=x.astype(np.float32), model_id="m")
+    core = make_core(tmp_path, pipeline={"retrieval_cache_size": 0, "default_depth": 10})
+    core.load()
+
+    async def go():
+        await core.start()
+        try:
+            return await core.search(SearchQuery("dup", text="shock", vector=near,
+                                                 vector_model_id="m", top_k=5, mode="hybrid"),
+                                     "default")
+        finally:
+            await core.close()
+
+    r = asyncio.run(go())
+    ids = [h.candidate.record.doc_id for h in r.hits]
+    assert len(ids) == 5 and ids[0].startswith("dup") and sum(i.startswith("dup") for i in ids) == 1
+    assert any("160 deep" in n for n in r.notes), r.notes  # 10 -> 40 -> 160
+    fused = [h.fused[1] for h in r.hits]
+    assert fused == sorted(fused, reverse=True)
 
 
 def test_passages_over_the_token_budget_do_not_end_the_page_early(tmp_path, tiny_embedder):

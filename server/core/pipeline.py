@@ -637,17 +637,7 @@ class QueryPipeline:
         q, desc = st.q, st.coll.desc
         t = time.perf_counter()
         dense_kind = SCORE_KINDS.get(desc.metric, "inner_product")
-        if st.mode == "hybrid":
-            dense_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.dense)}
-            lex_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.lexical)}
-            by_id = {c.chunk_id: c for c in st.lexical}
-            by_id.update({c.chunk_id: c for c in st.dense})
-            kind = "minmax" if st.q.fusion == "minmax" else "rrf"
-            ranked = [RankedHit(by_id[cid], s, kind, dense_pos.get(cid), lex_pos.get(cid), (i + 1, s),
-                                fused_kind=kind)
-                      for i, (cid, s) in enumerate(st.fused)]
-        else:
-            ranked = self._single_ranking(st, dense_kind)
+        ranked = self._ranking(st, dense_kind)
         pre_rerank = ranked
         if q.rerank_depth and ranked:
             self._check_deadline(deadline, "rerank")
@@ -665,9 +655,10 @@ class QueryPipeline:
             t = self._stamp(st, "rerank", t)
         a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
         for _ in range(self.DEEPEN_ROUNDS):
-            if not self._can_deepen(st, a) or not await self._retrieve_deeper(st, deadline):
+            if (not self._can_deepen(st, a)
+                    or not await self._retrieve_deeper(st, tenant, acl_scopes, deadline)):
                 break
-            ranked = pre_rerank = self._single_ranking(st, dense_kind)
+            ranked = pre_rerank = self._ranking(st, dense_kind)
             a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
         self._stamp(st, "assembly", t)
         trace = self._trace(st, pre_rerank, ranked, a) if q.include_trace else None
@@ -686,8 +677,18 @@ class QueryPipeline:
     DEEPEN_ROUNDS = 2
 
     @staticmethod
-    def _single_ranking(st: _Query, dense_kind: str) -> list[RankedHit]:
-        """A single retriever's ranking: its rank is the position."""
+    def _ranking(st: _Query, dense_kind: str) -> list[RankedHit]:
+        """The query's ranking: the fused list of a hybrid query (each hit with its ranks in
+        both retrievers' lists), else the single retriever's list, its rank the position."""
+        if st.mode == "hybrid":
+            dense_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.dense)}
+            lex_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.lexical)}
+            by_id = {c.chunk_id: c for c in st.lexical}
+            by_id.update({c.chunk_id: c for c in st.dense})
+            kind = "minmax" if st.q.fusion == "minmax" else "rrf"
+            return [RankedHit(by_id[cid], s, kind, dense_pos.get(cid), lex_pos.get(cid), (i + 1, s),
+                              fused_kind=kind)
+                    for i, (cid, s) in enumerate(st.fused)]
         if st.mode == "dense":
             return [RankedHit(c, c.score, dense_kind, (i, c.score))
                     for i, c in enumerate(st.dense, 1)]
@@ -695,15 +696,15 @@ class QueryPipeline:
                 for i, c in enumerate(st.lexical, 1)]
 
     def _can_deepen(self, st: _Query, a: ContextAssembler) -> bool:
-        """Whether a short page may fill from deeper in the same retriever: passages were
+        """Whether a short page may fill from deeper in the same retrievers: passages were
         dropped as repeats (or as another tenant's or scope's, defence in depth) and the budget
         (if any) did not end the page, or the budget took none at all - a budget that holds
-        fewer than top_k passages is how budgets work, not a short page; a single retriever
-        whose depth the request did not pin, whose list came back full (more may exist), not
+        fewer than top_k passages is how budgets work, not a short page; retrievers whose
+        depths the request did not pin, a list of which came back full (more may exist), not
         reranked (the rerank window is the request's) and not expanded (RM3 reads the first
         round)."""
         q = st.q
-        if a.full or st.mode not in ("dense", "lexical") or q.rerank_depth or st.shard_errors:
+        if a.full or q.rerank_depth or st.shard_errors:
             return False
         over_budget = any(reason.startswith("over_token_budget") for _, reason in a.dropped)
         if over_budget and a.selected:  # the budget ends this page: no deeper list fills it
@@ -711,23 +712,29 @@ class QueryPipeline:
         repeats = any(not reason.startswith("over_token_budget") for _, reason in a.dropped)
         if not repeats and not (q.context_token_budget and not a.selected):
             return False
-        if st.mode == "dense":
-            depth, got, pinned = st.sq.dense_depth, len(st.dense), q.dense_depth
-        else:
-            depth, got, pinned = st.sq.lexical_depth, len(st.lexical), q.lexical_depth
-            if self._expansion_n(st):
-                return False
-        return not pinned and got >= depth and depth < limits.MAX_DEPTH
+        if st.mode != "dense" and self._expansion_n(st):
+            return False
+        lists = []  # (depth asked, got, pinned by the request) of each retriever the query uses
+        if st.mode in ("dense", "hybrid"):
+            lists.append((st.sq.dense_depth, len(st.dense), q.dense_depth))
+        if st.mode in ("lexical", "hybrid"):
+            lists.append((st.sq.lexical_depth, len(st.lexical), q.lexical_depth))
+        return (not any(pinned for _, _, pinned in lists)
+                and any(got >= depth and depth < limits.MAX_DEPTH for depth, got, _ in lists))
 
-    async def _retrieve_deeper(self, st: _Query, deadline: Optional[float]) -> bool:
-        """The query's retriever again, 4x deeper, on half the time left (the rest stays for
-        reading and assembling the deeper page). Best effort: a round that fails, or finds no
-        time, leaves the query as it was (with a note when it failed) and returns False."""
+    async def _retrieve_deeper(self, st: _Query, tenant: str, acl_scopes: tuple,
+                               deadline: Optional[float]) -> bool:
+        """The query's retrievers again, 4x deeper, on half the time left (the rest stays for
+        reading and assembling the deeper page), fused again, a hybrid query's dense feedback
+        included, so the deeper ranking is the query's own at a larger depth. Best effort: a
+        round that fails, or finds no time, leaves the query as it was (with a note when it
+        failed) and returns False."""
         loop = asyncio.get_running_loop()
         left = None if deadline is None else deadline - loop.time()
         if left is not None and left <= 0:
             return False
-        kept = (st.sq, st.shard_results, st.shard_errors, st.dense, st.lexical, dict(st.timings))
+        kept = (st.sq, st.shard_results, st.shard_errors, st.dense, st.lexical, st.fused,
+                dict(st.timings))
         d, lx = st.sq.dense_depth, st.sq.lexical_depth
         st.sq = replace(st.sq, dense_depth=min(limits.MAX_DEPTH, 4 * d) if d else 0,
                         lexical_depth=min(limits.MAX_DEPTH, 4 * lx) if lx else 0)
@@ -735,10 +742,12 @@ class QueryPipeline:
         if st.error is not None or st.shard_errors:
             why = st.error or st.shard_errors[0]
             st.error = None
-            st.sq, st.shard_results, st.shard_errors, st.dense, st.lexical, st.timings = kept
+            st.sq, st.shard_results, st.shard_errors, st.dense, st.lexical, st.fused, st.timings = kept
             st.notes.append(f"deeper retrieval skipped ({why}): the page may be short")
             return False
         self._fuse(st)
+        if self._wants_dense_feedback(st):
+            await self._dense_feedback([st], tenant, acl_scopes, deadline)
         st.notes.append(f"retrieved {max(st.sq.dense_depth, st.sq.lexical_depth)} deep: "
                         f"duplicates or the token budget left the page short")
         return True
