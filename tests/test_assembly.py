@@ -88,13 +88,15 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
-@pytest.mark.parametrize("mode,shards", [("lexical", 1), ("dense", 1), ("lexical", 3)])
+@pytest.mark.parametrize("mode,shards,extra", [("lexical", 1, {}), ("dense", 1, {}), ("lexical", 3, {}),
+                                              ("lexical", 1, {"lexical_feedback_terms": 5})])
 def test_duplicates_never_leave_a_single_retriever_page_short(tmp_path, tiny_embedder, mode,
-                                                              shards):
+                                                              shards, extra):
     """Outside QA: a lexical or dense query read 2 x top_k candidates; when duplicates filled
     them, de-duplication dropped them and nothing deeper was read: top_k 5 gave 1 hit (lexical)
     or 2 (dense) where 7 distinct passages match. The retriever now reads deeper (4x, twice at
-    most) while its page is short and its list full."""
+    most) while its page is short and its list full - an RM3-expanded query too, its expansion
+    searched again at the deeper depth (outside QA, a later round: it stayed short)."""
     from index_builder.corpus import Document
 
     same = "shock wave interaction with a boundary layer at supersonic speed"
@@ -102,7 +104,7 @@ def test_duplicates_never_leave_a_single_retriever_page_short(tmp_path, tiny_emb
     docs += [Document(f"other{i}", f"shock tube experiment number {i} with a new nozzle {i * 7}")
              for i in range(6)]
     [r] = _search(_served(tmp_path, tiny_embedder, docs, shards),
-                  dict(text="shock", top_k=5, mode=mode))
+                  dict(text="shock", top_k=5, mode=mode, **extra))
     ids = [h.candidate.record.doc_id for h in r.hits]
     assert len(ids) == 5 and len({h.candidate.record.text for h in r.hits}) == 5
     assert sum(i.startswith("dup") for i in ids) == 1

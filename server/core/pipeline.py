@@ -701,8 +701,7 @@ class QueryPipeline:
         (if any) did not end the page, or the budget took none at all - a budget that holds
         fewer than top_k passages is how budgets work, not a short page; retrievers whose
         depths the request did not pin, a list of which came back full (more may exist), not
-        reranked (the rerank window is the request's) and not expanded (RM3 reads the first
-        round)."""
+        reranked (the rerank window is the request's)."""
         q = st.q
         if a.full or q.rerank_depth or st.shard_errors:
             return False
@@ -711,8 +710,6 @@ class QueryPipeline:
             return False
         repeats = any(not reason.startswith("over_token_budget") for _, reason in a.dropped)
         if not repeats and not (q.context_token_budget and not a.selected):
-            return False
-        if st.mode != "dense" and self._expansion_n(st):
             return False
         lists = []  # (depth asked, got, pinned by the request) of each retriever the query uses
         if st.mode in ("dense", "hybrid"):
@@ -725,7 +722,7 @@ class QueryPipeline:
     async def _retrieve_deeper(self, st: _Query, tenant: str, acl_scopes: tuple,
                                deadline: Optional[float]) -> bool:
         """The query's retrievers again, 4x deeper, on half the time left (the rest stays for
-        reading and assembling the deeper page), fused again, a hybrid query's dense feedback
+        reading and assembling the deeper page), fused again, its feedback rounds (dense, RM3)
         included, so the deeper ranking is the query's own at a larger depth. Best effort: a
         round that fails, or finds no time, leaves the query as it was (with a note when it
         failed) and returns False."""
@@ -748,6 +745,8 @@ class QueryPipeline:
         self._fuse(st)
         if self._wants_dense_feedback(st):
             await self._dense_feedback([st], tenant, acl_scopes, deadline)
+        if self._wants_expansion(st):  # the same first hits: the same expansion, searched deeper
+            await self._lexical_feedback([st], tenant, acl_scopes, deadline)
         st.notes.append(f"retrieved {max(st.sq.dense_depth, st.sq.lexical_depth)} deep: "
                         f"duplicates or the token budget left the page short")
         return True
