@@ -46,6 +46,12 @@ class IndexCorruptError(SearchError):
     """An index file is missing, truncated or corrupted; the message names the file."""
 
 
+def is_panic(exc: BaseException) -> bool:
+    """A Rust panic raised through pyo3 (tantivy's on a damaged file): a BaseException, so an
+    `except Exception` lets it through and a caller waiting on it never hears back."""
+    return type(exc).__name__ == "PanicException"
+
+
 class CorpusVersionMismatch(SearchError):
     """Dense and lexical candidates came from different corpus versions (never fused)."""
 

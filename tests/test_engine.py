@@ -1025,3 +1025,39 @@ def test_an_equality_filter_restricts_bm25_as_it_restricts_dense(tmp_path, rng, 
     for value, parity in ((red, 1), (blue, 0)):
         want = {f"d{i}" for i in range(30) if i % 2 == parity}
         assert found[value] == (want, want), value
+
+
+def test_a_panic_of_the_bm25_library_fails_the_query_at_once_naming_the_index(engine_build):
+    """Outside QA: a flipped byte in a BM25 file made tantivy panic; pyo3 raises that as
+    PanicException, a BaseException that `except Exception` lets through, so every lexical
+    query waited for its deadline without an answer. It is now an IndexCorruptError naming the
+    BM25 index, in the query's slot, and the shard keeps serving."""
+    from server.core.types import ShardQuery
+    from server.errors import IndexCorruptError
+
+    class PanicException(BaseException):  # pyo3's, by name (it cannot be imported)
+        pass
+
+    data, desc = engine_build
+    shard, pools = open_shard(data, desc)
+
+    def panics(*args, **kwargs):
+        raise PanicException("index out of bounds: the len is 3 but the index is 7")
+
+    lexical = ShardQuery(desc.build_id, "alpha", None, desc.model_id, "boundary layer", 0, 10)
+
+    async def go():
+        shard.index.lexical.search = panics
+        [got] = await asyncio.wait_for(shard.search([lexical]), 10)
+        del shard.index.lexical.search
+        [after] = await asyncio.wait_for(shard.search([lexical]), 10)
+        return got, after
+
+    try:
+        got, after = asyncio.run(go())
+    finally:
+        asyncio.run(shard.close())
+        pools.close()
+    assert isinstance(got, IndexCorruptError)
+    assert "BM25 index in" in str(got) and "index out of bounds" in str(got)
+    assert after.lexical  # the shard still answers

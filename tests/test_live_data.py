@@ -582,3 +582,35 @@ def test_documents_written_since_the_build_are_found_beside_a_dedicated_tenant_i
     assert [f[0] for f in found] == [d for d, _ in new]  # each is its own text's nearest
     every = {d.doc_id for d in cranfield_docs[:40]} | {d for d, _ in new}
     assert all(set(f) == every for f in found)  # top_k 100 over 45 live documents: all of them
+
+
+def test_a_delete_file_left_by_a_commit_cut_off_by_a_crash_does_not_fail_later_commits(tmp_path):
+    """Outside QA: a kill -9 inside a BM25 commit can leave `<segment>.<opstamp>.del`, named by
+    no commit; after a restart the commit that reached that opstamp failed with
+    FileAlreadyExists, answering valid writes INTERNAL. A writer now removes such files first
+    (the files a commit names stay)."""
+    import json
+
+    from server.backends.lexical import LexicalIndex
+
+    d = tmp_path / "lex"
+    lex = LexicalIndex.create(d)
+    lex.add_committed([(i, "", f"alpha doc {i}", "default", {}, ()) for i in range(10)])
+    lex.delete_rows([3])                                  # a commit that names a .del file
+    del lex
+    meta = json.loads((d / "meta.json").read_text())
+    named = {f"{s['segment_id'].replace('-', '')}.{s['deletes']['opstamp']}.del"
+             for s in meta["segments"] if s.get("deletes")}
+    assert named and all((d / n).is_file() for n in named)
+    stray = [d / f"{s['segment_id'].replace('-', '')}.{meta['opstamp'] + k}.del"
+             for s in meta["segments"] for k in range(1, 7)]
+    for p in stray:                                       # what a cut-off commit leaves
+        p.write_bytes(b"\0" * 16)
+    lex = LexicalIndex.open(d)
+    lex.delete_rows([4])                                  # reached FileAlreadyExists before
+    lex.add_committed([(10, "", "alpha doc 10", "default", {}, ())])
+    named = {f"{s['segment_id'].replace('-', '')}.{(s.get('deletes') or {}).get('opstamp')}.del"
+             for s in json.loads((d / "meta.json").read_text())["segments"]}
+    assert not any(p.exists() for p in stray if p.name not in named)
+    _, rows = lex.search("alpha", 20)
+    assert sorted(rows) == [0, 1, 2, 5, 6, 7, 8, 9, 10]

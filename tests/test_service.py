@@ -245,3 +245,35 @@ def test_both_event_loops_serve_the_same_answers_and_a_bad_choice_fails_at_start
                           "--event-loop", "twisted"], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode != 0 and "use one of auto, uvloop, asyncio" in bad.stderr
+
+
+def test_the_boundary_answers_internal_for_a_native_librarys_panic():
+    """Outside QA: pyo3 raises a Rust panic as PanicException, a BaseException; the boundary
+    caught Exception only, so such a call never got a status. It is INTERNAL now, like a bug."""
+    import asyncio
+
+    from server.transport.errors import Lifecycle, boundary
+
+    class PanicException(BaseException):
+        pass
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code, details):
+            raise Aborted(code, details)
+
+        def time_remaining(self):
+            return None
+
+    class Servicer:
+        lifecycle = Lifecycle()
+
+        @boundary("Search")
+        async def Search(self, request, context):
+            raise PanicException("index out of bounds")
+
+    with pytest.raises(Aborted) as err:
+        asyncio.run(Servicer().Search(object(), Context()))
+    assert err.value.args[0] == grpc.StatusCode.INTERNAL and "PanicException" in err.value.args[1]

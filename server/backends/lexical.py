@@ -14,6 +14,7 @@ and, for range filters, the set of eligible rows), so ranking only ever sees eli
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -79,6 +80,25 @@ def term_filterable(values: Sequence[str]) -> bool:
     return not any(_DATETIME_LIKE.match(v) for v in values)
 
 
+_DELETES_FILE = re.compile(r"^([0-9a-f]{32})\.(\d+)\.del$")
+
+
+def remove_stray_deletes(directory: Path) -> list[str]:
+    """Delete-bitset files (`<segment>.<opstamp>.del`) that meta.json does not name: what a
+    commit cut off by a crash leaves. Call before a writer opens (none may be committing).
+    Returns the names removed."""
+    meta = json.loads((directory / "meta.json").read_text())
+    kept = {(seg["segment_id"].replace("-", ""), (seg.get("deletes") or {}).get("opstamp"))
+            for seg in meta.get("segments", [])}
+    removed = []
+    for entry in directory.iterdir():
+        m = _DELETES_FILE.match(entry.name)
+        if m and (m.group(1), int(m.group(2))) not in kept:
+            entry.unlink()
+            removed.append(entry.name)
+    return removed
+
+
 class _Snapshot(NamedTuple):
     """A searcher and what BM25 counts on it (see LexicalIndex._snapshot)."""
 
@@ -108,9 +128,11 @@ def make_schema() -> "tantivy.Schema":
 class LexicalIndex:
     """A tantivy index whose documents are chunks, keyed by the shard's row number."""
 
-    def __init__(self, index: "tantivy.Index", schema: "tantivy.Schema"):
+    def __init__(self, index: "tantivy.Index", schema: "tantivy.Schema",
+                 directory: Optional[Path] = None):
         self.index = index
         self.schema = schema
+        self.directory = directory
         self.analyzer = make_analyzer()
         # a build made by analyzer v1 indexed text as given: its queries and new writes are not
         # normalised either, so old and new text of one index are analysed alike
@@ -132,7 +154,7 @@ class LexicalIndex:
         schema = make_schema()
         index = tantivy.Index(schema, path=str(directory))
         index.register_tokenizer(ANALYZER_NAME, make_analyzer())
-        return cls(index, schema)
+        return cls(index, schema, directory)
 
     @classmethod
     def open(cls, directory: Path, read_only: bool = False) -> "LexicalIndex":
@@ -159,7 +181,7 @@ class LexicalIndex:
             index.searcher().num_docs  # touch the segments: a damaged one fails here, not mid-query
         except Exception as exc:
             raise IndexCorruptError(f"cannot open lexical index in {directory}: {exc}") from exc
-        return cls(index, index.schema)
+        return cls(index, index.schema, directory)
 
     def add(self, rows: Iterable[tuple[int, str, str, str, dict, Sequence[str]]], writer=None) -> int:
         """Add (row, title, text, tenant, metadata, acl) chunks; commit when we own the writer."""
@@ -188,7 +210,14 @@ class LexicalIndex:
     def writer(self):
         """A long-lived writer for streaming writes (one per index: tantivy locks the directory)."""
         if getattr(self, "_writer", None) is None:
+            # a process killed mid-commit can leave a segment's `.del` file of the opstamp it was
+            # writing; the commit that reaches that opstamp again failed with FileAlreadyExists
+            # (a valid write answered INTERNAL). No commit refers to such a file: remove it, and
+            # let tantivy collect the other files it tracks and no commit uses
+            if self.directory is not None:
+                remove_stray_deletes(self.directory)
             self._writer = self.index.writer(heap_size=32_000_000, num_threads=1)
+            self._writer.garbage_collect_files()
         return self._writer
 
     def add_committed(self, rows) -> None:

@@ -162,8 +162,10 @@ def boundary(method: str):
                 await context.abort(code, str(exc))
             except grpc.aio.AbortError:
                 raise
-            except Exception as exc:  # a bug: report INTERNAL, keep serving
-                log.exception("unexpected error in %s", method)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # a bug (or a native library's panic): report
+                log.exception("unexpected error in %s", method)  # INTERNAL, keep serving
                 metrics.labelled(metrics.REQUESTS, method, "INTERNAL").inc()
                 await context.abort(grpc.StatusCode.INTERNAL,
                                     f"internal error in {method}: {type(exc).__name__}")

@@ -27,6 +27,7 @@ makes each search group see one index version in both branches.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -51,7 +52,7 @@ from server.core.engine.state import lock_state, prepare, state_shard_dir
 from server.core.rwlock import RWLock
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
                                ShardWrite, WriteOutcome)
-from server.errors import FailedPrecondition, IndexCorruptError, ModelMismatch
+from server.errors import FailedPrecondition, IndexCorruptError, ModelMismatch, is_panic
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,26 @@ class RecordCache:
                 while len(self._records) > self.capacity:
                     self._records.popitem(last=False)
         return out
+
+
+def _panics_as_corruption(method):
+    """tantivy panics on some damaged files (an out-of-bounds read of a flipped byte); the panic
+    arrives as pyo3's PanicException, a BaseException that the threads' `except Exception` let
+    through, so the query never heard back and waited for its deadline. As an IndexCorruptError
+    naming the BM25 index it fails at once (DATA_LOSS)."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as exc:
+            if not is_panic(exc):
+                raise
+            log.error("shard %d: the BM25 index in %s panicked: %s", self.shard_no,
+                      self.lexical.directory, exc)
+            raise IndexCorruptError(f"the BM25 index in {self.lexical.directory} failed to read "
+                                    f"({exc}): it is damaged; restore the state directory or "
+                                    "rebuild") from None
+    return guarded
 
 
 class ShardIndex:
@@ -380,6 +401,7 @@ class ShardIndex:
             raise ModelMismatch(f"query vector is from model {q.model_id!r}; this build serves "
                                 f"{self.desc.model_id!r}")
 
+    @_panics_as_corruption
     def term_stats(self, queries: Sequence[ShardQuery]) -> list[ShardResult]:
         """A statistics round's answers (ShardQuery.stats_only): this shard's BM25 statistics
         for each query's terms, no search."""
@@ -389,6 +411,7 @@ class ShardIndex:
         return [ShardResult(self.shard_no, self.desc.corpus_version, [], [], 0.0, 0.0, index_version,
                             applied, len(queries), term_stats=s) for s in stats]
 
+    @_panics_as_corruption
     def search_group(self, queries: Sequence[ShardQuery], lexical_map=map) -> list[ShardResult]:
         """Answer queries that share one restriction: one faiss call for all their vectors, one
         BM25 search each (through `lexical_map`, e.g. a thread pool's map: tantivy releases the
