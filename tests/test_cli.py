@@ -1,6 +1,7 @@
 """The builder CLI end to end on a real corpus slice with the real packaged MiniLM: build (with
 progress), audit, publish, list; clear errors for bad input; a corrupted build fails at load
 naming the file."""
+import asyncio
 import json
 import re
 import subprocess
@@ -212,11 +213,13 @@ def test_a_corrupted_build_fails_at_load_naming_the_file(built, tiny_embedder, d
         core.load()
 
 
-@pytest.mark.parametrize("damaged", ["vectors.npy", "docstore.sqlite", "lexical"])
+@pytest.mark.parametrize("damaged", ["vectors.npy", "docstore.sqlite", "lexical", "vectors.npy later"])
 def test_a_build_damaged_in_place_fails_at_load_naming_the_file(built, tiny_embedder, damaged):
     """Same-size damage after publish - two vector rows swapped, a text edited in the document
     store, a bit of a BM25 segment flipped - is refused at load by the build's checksums
-    (outside QA: each was served, the edited text verbatim)."""
+    (outside QA: each was served, the edited text verbatim). The vectors, which a shard reads
+    from the build itself, are checked at every load: damage after a server's first start (its
+    state made) was served too (outside QA, a later round)."""
     import shutil
     import sqlite3
 
@@ -230,6 +233,12 @@ def test_a_build_damaged_in_place_fails_at_load_naming_the_file(built, tiny_embe
     shutil.copytree(data, copy, ignore=shutil.ignore_patterns(".state"))
     alias = json.loads((copy / "cran" / "ALIAS").read_text())
     shard = copy / "cran" / "builds" / alias["live"] / "shard-001"
+    if damaged == "vectors.npy later":  # a server started on it once: its state exists
+        core = make_core(copy)
+        core.load()
+        asyncio.run(core.close())
+        assert any((copy / ".state").rglob("STATE_READY"))
+        damaged = "vectors.npy"
     if damaged == "vectors.npy":
         target = shard / damaged
         v = np.load(target)

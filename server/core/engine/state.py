@@ -53,18 +53,21 @@ def check_writable(directory: Path, what: str = "state directory") -> Path:
 
 def prepare(build_shard: Path, state_shard: Path, files: Optional[dict] = None) -> Path:
     """Make `state_shard` from `build_shard` unless it is there already; returns it. The build's
-    files a shard reads beside the faiss index (checked at every load) - exact vectors, document
-    store, BM25 segments - are checked against what the build recorded of them (`files`, the
-    descriptor's shard_files) once, before the state is made from them: a damaged build is
-    refused by name, never served."""
+    files a shard reads beside the faiss index (checked at every load) are checked against what
+    the build recorded of them (`files`, the descriptor's shard_files): the exact vectors, read
+    from the build itself, at every load too; the document store and BM25 segments once, before
+    the state is made from them (the state's copies are what a shard reads afterwards). A
+    damaged build is refused by name, never served."""
     from server.backends.dense import recorded_problems  # (faiss: only when a shard loads)
 
-    if (state_shard / READY).is_file():
-        return state_shard
+    ready = (state_shard / READY).is_file()
+    checked = ("vectors.npy",) if ready else ("vectors.npy", "docstore.sqlite", "lexical")
     problems = recorded_problems(build_shard, {k: v for k, v in (files or {}).items()
-                                               if k in ("vectors.npy", "docstore.sqlite", "lexical")})
+                                               if k in checked})
     if problems:
         raise IndexCorruptError(f"build file {problems[0]}")
+    if ready:
+        return state_shard
     parent = check_writable(state_shard.parent)
     with open(parent / f".{state_shard.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two processes opening one shard's state: one copies
