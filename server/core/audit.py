@@ -170,14 +170,17 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str,
     - the BM25 index lacks a live row, or holds a row that is live nowhere and pending nowhere;
     - for a shard that took no writes: live chunks and documents differ from the descriptor.
     Reported, not mismatches: pending rows (recovery deletes a crash-cut tail and orphans the
-    rest) and dead rows still in BM25 (recovery purges them)."""
-    from server.backends.docstore import LIVE
+    rest), dead rows still in BM25 (recovery purges them) and, in a state, live rows missing
+    from BM25 of documents a write was replacing when it was cut off - its BM25 commit made,
+    the store's flip not (recovery re-adds them)."""
+    from server.backends.docstore import LIVE, PENDING
     from server.core.engine.state import READY, state_shard_dir
 
     desc = store.descriptor(collection, build_id)
     bdir = store.build_dir(collection, build_id)
     mismatches, totals = [], {"documents": 0, "chunks": 0, "vectors": 0, "deleted_documents": 0,
-                              "writes": 0, "pending_rows": 0, "bm25_rows_to_purge": 0}
+                              "writes": 0, "pending_rows": 0, "bm25_rows_to_purge": 0,
+                              "bm25_rows_to_repair": 0}
     tenants: dict[str, int] = {}
     for s in range(desc.shards):
         name = shard_dir_name(s)
@@ -194,7 +197,12 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str,
             dense = DenseIndex.load(sdir, desc.metric, desc.shard_files.get(name))
             added_rows, _, added_vecs = ds.added_vectors(dense.ntotal)
             live_rows = set(ds.live_rows().tolist())
-            row_state = dict(ds._conn().execute("SELECT row, live FROM chunks"))
+            row_doc, row_state, cut = {}, {}, set()
+            for row, live, tenant, doc_id in ds._conn().execute(
+                    "SELECT row, live, tenant, doc_id FROM chunks"):
+                row_state[row], row_doc[row] = live, (tenant, doc_id)
+                if live == PENDING:
+                    cut.add((tenant, doc_id))
         finally:
             ds.close()
         rows = sum(states.values())
@@ -218,6 +226,10 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str,
         finally:
             lexical.close()
         missing = live_rows - indexed
+        # a write cut off between its BM25 commit and the store's flip: the old version's rows
+        # left BM25 while still live in the store (recovery re-adds them); only in a state
+        to_repair = {r for r in missing if row_doc.get(r) in cut} if live_dir is not None else set()
+        missing -= to_repair
         stray = [r for r in indexed - live_rows if row_state.get(r) == LIVE or r not in row_state]
         to_purge = len(indexed - live_rows) - len(stray)
         if missing:
@@ -238,6 +250,7 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str,
         totals["writes"] += writes
         totals["pending_rows"] += states["pending"]
         totals["bm25_rows_to_purge"] += to_purge
+        totals["bm25_rows_to_repair"] += len(to_repair)
     if not totals["writes"]:
         if totals["chunks"] != desc.chunks:
             mismatches.append(f"{totals['chunks']} live chunks in all, the descriptor says {desc.chunks}")
