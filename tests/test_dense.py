@@ -259,3 +259,30 @@ def test_an_ivf_page_the_tuned_nprobe_leaves_short_is_filled(tmp_path, dedicated
 
     for r, row in zip(asyncio.run(go()), want):
         assert [h.candidate.record.doc_id for h in r.hits] == [f"d{i}" for i in row]
+
+
+def test_exact_scores_do_not_depend_on_the_batch_and_equal_vectors_tie_by_row():
+    """Outside QA: the restricted exact path scored in float32 BLAS, whose rounding moves with a
+    row's position in the block and the batch's size: six identical documents got three
+    different scores, and which of them a page kept changed between Search and SearchBatch, or
+    with other callers' queries. Scores are now the same alone or in any batch, equal vectors
+    score equal, and equal scores go by row."""
+    from server.backends.dense import exact_search
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3000, 384)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    x[[100, 900, 1500, 2999]] = x[7]                   # four copies of row 7
+    rows = np.arange(0, 3000, dtype=np.int64)
+    q = x[7] + 0.3 * rng.standard_normal(384).astype(np.float32)
+    others = rng.standard_normal((63, 384)).astype(np.float32)
+    for metric in ("ip", "l2"):
+        alone = exact_search(x, rows, q[None], 10, metric)[0]
+        batched = exact_search(x, rows, np.vstack([others[:31], q, others[31:]]), 10, metric)[31]
+        shifted = exact_search(x, rows[::-1].copy(), q[None], 10, metric)[0]  # other positions
+        for s, r in (batched, shifted):
+            assert np.array_equal(s, alone[0]) and np.array_equal(r, alone[1])
+        assert list(alone[1][:5]) == [7, 100, 900, 1500, 2999]
+        assert len(set(alone[0][:5].tolist())) == 1
+    two = exact_search(x, rows, q[None], 2, "ip")[0]  # a page cut through the tie: by row
+    assert list(two[1]) == [7, 100]

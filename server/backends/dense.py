@@ -307,23 +307,41 @@ def exact_search(vectors, rows: np.ndarray, queries: np.ndarray, k: int,
     if len(rows) == 0:
         return [(np.zeros(0, np.float32), np.zeros(0, np.int64)) for _ in range(len(queries))]
     block = np.asarray(vectors[rows], dtype=np.float32)
+    centre = None
     if metric == "l2":  # -|b - q|^2 = 2 b.q - |b|^2 - |q|^2, about the rows' mean: far from the
         # origin the expansion's terms are huge and cancel, in float32 (vectors 1e4 out gave
         # the wrong neighbours and positive "distances"); distances do not move with the origin
         centre = block.mean(0, dtype=np.float64).astype(np.float32)
         block, queries = block - centre, queries - centre
-        scores = (2 * (block @ queries.T) - (block * block).sum(1)[:, None]
-                  - (queries * queries).sum(1)[None, :])
+        scores = (2 * (queries @ block.T) - (block * block).sum(1)[None, :]
+                  - (queries * queries).sum(1)[:, None])
     else:
-        scores = block @ queries.T                   # (rows, queries)
+        scores = queries @ block.T                   # (queries, rows): one contiguous row each
     k = min(k, len(rows))
     out = []
     for j in range(queries.shape[0]):
-        col = scores[:, j]
-        top = np.argpartition(-col, k - 1)[:k] if k < len(col) else np.arange(len(col))
-        top = top[np.argsort(-col[top], kind="stable")]
-        out.append((col[top].astype(np.float32), rows[top].astype(np.int64)))
+        col = scores[j]
+        # float32 products round differently with a row's position in the block and the
+        # batch's size (BLAS kernels): one query's scores moved by ~1e-7 with what was searched
+        # beside it, and equal vectors scored unequal (outside QA: identical documents got three
+        # scores; which one a page kept changed between Search and a batch). The rows within
+        # float32's error of the k-th are scored again in float64, rounded once: the same
+        # scores alone or in any batch, equal ones in row order
+        kth = col[np.argpartition(-col, k - 1)[k - 1]] if k < len(col) else col.min()
+        near = np.flatnonzero(col >= kth - 1e-4 * max(1.0, abs(float(kth))))
+        exact = _exact_scores(block[near], queries[j], metric)
+        top = np.lexsort((rows[near], -exact))[:k]
+        out.append((exact[top], rows[near][top].astype(np.int64)))
     return out
+
+
+def _exact_scores(block: np.ndarray, query: np.ndarray, metric: str) -> np.ndarray:
+    """Scores of a few rows for one query in float64, rounded to float32 once."""
+    b, q = block.astype(np.float64), query.astype(np.float64)
+    if metric == "l2":
+        d = b - q
+        return (-np.einsum("ij,ij->i", d, d)).astype(np.float32)
+    return (b @ q).astype(np.float32)
 
 
 def _gpu_params(index, knobs: SearchKnobs, k: int):
