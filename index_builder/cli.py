@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target-recall", type=float, default=0.95,
                    help="with --audit/--publish: pick the cheapest knob setting (efSearch, nprobe, "
                         "k_factor) whose held-out recall@10 meets this; knobs given explicitly are "
-                        "kept as they are (0 = do not tune)")
+                        "kept as they are while the others tune (0 = do not tune)")
     b.add_argument("--vectors", type=Path, default=None,
                    help="your own embeddings: .npy with one row per corpus record (non-blank "
                         "line), in corpus order, a record skipped for having no text keeping its "
@@ -149,13 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _knobs(args) -> tuple[dict, bool]:
-    """Search knobs given on the command line, and whether to tune the others."""
+def _knobs(args) -> tuple[dict, tuple[str, ...]]:
+    """The search knobs (defaults, and those given on the command line), and the names of those
+    given: they stay as they are while the others tune."""
     given = {k: v for k, v in (("nprobe", args.nprobe), ("ef_search", args.ef_search),
                                ("k_factor", args.k_factor)) if v is not None}
     from server.backends.dense import SearchKnobs
 
-    return {**SearchKnobs().__dict__, **given}, not given and bool(args.target_recall)
+    return {**SearchKnobs().__dict__, **given}, tuple(given)
 
 
 def vectors_of_records(vectors, docs: list, tally: dict):
@@ -213,7 +214,7 @@ def cmd_build(args) -> int:
 
         embedder = Embedder(Path(args.embedder) if args.embedder else None, Device(args.device),
                             model_name=args.embedder_name)
-    knobs, tune = _knobs(args)
+    knobs, pinned = _knobs(args)
     desc = build_collection(docs, store, args.collection, embedder, args.factory, args.shards,
                             args.metric, knobs, args.build_id, quiet=args.quiet,
                             dedicated_tenant_min_chunks=args.dedicated_tenant_min_chunks,
@@ -222,7 +223,7 @@ def cmd_build(args) -> int:
           f"chunks, {desc.shards} shard(s), factory {desc.factory}, model {desc.model_id}")
     if args.audit or args.publish:
         audit = audit_build(store, args.collection, desc.build_id, min_recall=args.min_recall,
-                            target_recall=args.target_recall if tune else None)
+                            target_recall=args.target_recall or None, pinned=pinned)
         recon = audit["reconciliation"]
         _print_tuning(audit, desc.factory)
         print(f"audit: recall@{audit['k']} = {audit['recall']:.4f} over {audit['queries']} "
@@ -244,14 +245,18 @@ def _print_tuning(audit: dict, factory: str) -> None:
     if not tuning:
         return
     k, target = audit["k"], tuning["target_recall"]
+    pinned = tuning.get("pinned") or []
+    kept = f" ({', '.join(pinned)} kept as given)" if pinned else ""
     if not tuning["sweep"]:
-        print(f"tuned: {factory} has no search knob to tune (recall@{k} {audit['recall']:.4f})")
+        what = "no search knob left" if pinned else "no search knob"
+        print(f"tuned: {factory} has {what} to tune{kept} (recall@{k} {audit['recall']:.4f})")
     elif audit["recall"] >= target:
-        print(f"tuned: {tuning['chosen']} meets recall@{k} >= {target} at the lowest measured cost")
+        print(f"tuned: {tuning['chosen']} meets recall@{k} >= {target} at the lowest measured "
+              f"cost{kept}")
     else:
         print(f"tuned: no setting reached recall@{k} >= {target}; kept the best measured, "
-              f"{tuning['chosen']} ({audit['recall']:.4f}): a larger index (more lists, PQ "
-              "bytes or a refine step) or a lower target is needed")
+              f"{tuning['chosen']} ({audit['recall']:.4f}){kept}: a larger index (more lists, "
+              "PQ bytes or a refine step), a lower target or other pinned knobs are needed")
     if "held-in" in audit["query_source"]:
         print("  note: tuned on held-in queries (vectors of the build itself), which flatters "
               "recall; unseen queries may get less - give --audit-queries FILE (held-out query "

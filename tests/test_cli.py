@@ -285,3 +285,34 @@ def test_eval_runs_several_datasets_from_one_command(tmp_path):
     assert "| hybrid-rrf | all | 6 |" in out.stdout and "nDCG@10 hybrid - hybrid-rrf" in out.stdout
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert set(summary) == {"cranmini", "second"} and "hybrid vs hybrid-rrf" in summary["second"]["tests"]
+
+
+def test_a_pinned_knob_stays_while_the_others_tune(tmp_path, capsys):
+    """Outside QA: --nprobe 8 on an IVF-PQ build with a refine step turned all tuning off, so
+    k_factor stayed at its default and the audit failed (recall 0.64, where tuning k_factor
+    reached 0.95) without a word. The given knob now stays and the others tune; the tuning line
+    names only the knobs of the index, and says which were kept."""
+    import numpy as np
+
+    from index_builder.build import audit_build, build_collection
+    from index_builder.cli import _print_tuning
+    from index_builder.corpus import Document
+    from server.core.collection import CollectionStore
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3000, 16)).astype(np.float32)
+    store = CollectionStore(tmp_path)
+    desc = build_collection([Document(f"d{i}", f"doc {i}") for i in range(3000)], store, "pq",
+                            None, "IVF16,PQ4x4fs,RFlat", quiet=True, vectors=x, model_id="m",
+                            search_defaults={"nprobe": 8, "ef_search": 128, "k_factor": 4},
+                            audit_queries=rng.standard_normal((100, 16)).astype(np.float32))
+    audit = audit_build(store, "pq", desc.build_id, target_recall=0.95, pinned=("nprobe",))
+    tuning = audit["tuning"]
+    assert {s["knobs"]["nprobe"] for s in tuning["sweep"]} == {8}
+    assert len({s["knobs"]["k_factor"] for s in tuning["sweep"]}) > 1  # k_factor was tuned
+    assert tuning["chosen"]["nprobe"] == 8 and set(tuning["chosen"]) == {"nprobe", "k_factor"}
+    assert tuning["pinned"] == ["nprobe"]
+    assert store.descriptor("pq", desc.build_id).search_defaults["nprobe"] == 8
+    _print_tuning(audit, "IVF16,PQ4x4fs,RFlat")
+    out = capsys.readouterr().out
+    assert "(nprobe kept as given)" in out and "ef_search" not in out

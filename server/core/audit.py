@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import faiss
 import numpy as np
@@ -87,28 +87,46 @@ class _RecallProbe:
         return float(np.mean(hits)), ms
 
 
-def _candidate_knobs(index: faiss.Index, base: SearchKnobs) -> list[list[SearchKnobs]]:
-    """Knob settings to try, as lists ordered from cheapest to dearest (recall grows along each)."""
+def index_knobs(index: faiss.Index) -> tuple[str, ...]:
+    """The search knobs that apply to this index: efSearch (HNSW), nprobe (IVF), k_factor (a
+    refine step)."""
+    top = faiss.downcast_index(index)
+    inner = _unwrap(top)
+    names = ("ef_search",) if isinstance(inner, faiss.IndexHNSW) else \
+        ("nprobe",) if isinstance(inner, faiss.IndexIVF) else ()
+    return names + (("k_factor",) if isinstance(top, faiss.IndexRefine) and names else ())
+
+
+def _candidate_knobs(index: faiss.Index, base: SearchKnobs,
+                     pinned: Sequence[str] = ()) -> list[list[SearchKnobs]]:
+    """Knob settings to try, as lists ordered from cheapest to dearest (recall grows along each);
+    `pinned` knobs keep the base's value (given on the command line) while the others tune."""
     top = faiss.downcast_index(index)
     inner = _unwrap(top)
     refine = isinstance(top, faiss.IndexRefine)
     if isinstance(inner, faiss.IndexHNSW):
+        if "ef_search" in pinned:
+            return []
         return [[SearchKnobs(base.nprobe, ef, base.k_factor) for ef in EF_GRID]]
     if isinstance(inner, faiss.IndexIVF):
-        probes = [p for p in NPROBE_GRID if p <= inner.nlist] or [inner.nlist]
-        factors = K_FACTOR_GRID if refine else (base.k_factor,)
+        probes = ([base.nprobe] if "nprobe" in pinned
+                  else [p for p in NPROBE_GRID if p <= inner.nlist] or [inner.nlist])
+        factors = K_FACTOR_GRID if refine and "k_factor" not in pinned else (base.k_factor,)
+        if len(probes) == 1 and len(factors) == 1:
+            return []
         return [[SearchKnobs(p, base.ef_search, kf) for p in probes] for kf in factors]
     return []
 
 
 def tune_knobs(probe: _RecallProbe, index: faiss.Index, base: SearchKnobs,
-               target: float) -> tuple[SearchKnobs, list[dict]]:
+               target: float, pinned: Sequence[str] = ()) -> tuple[SearchKnobs, list[dict]]:
     """The cheapest setting (by measured time) that meets `target` recall; along each list the
     first setting meeting it is taken (recall grows along it). When none does, the setting with
-    the best recall, and the caller's audit then fails on its own threshold."""
+    the best recall, and the caller's audit then fails on its own threshold. `pinned` knobs
+    stay as they are."""
     sweep, meeting = [], []
     best = (base, -1.0, float("inf"))
-    for lst in _candidate_knobs(index, base):
+    for lst in _candidate_knobs(index, base, pinned):
         for knobs in lst:
             recall, ms = probe.measure(knobs)
             sweep.append({"knobs": knobs.__dict__, "recall": recall, "ms_per_query": ms})
@@ -125,10 +143,12 @@ def tune_knobs(probe: _RecallProbe, index: faiss.Index, base: SearchKnobs,
 def audit_build(store: CollectionStore, collection: str, build_id: str, k: int = 10,
                 queries: Optional[np.ndarray] = None, n_queries: int = 200,
                 min_recall: float = 0.9, seed: int = 7, target_recall: Optional[float] = None,
-                state_root: Optional[Path] = None, record: bool = True) -> dict:
+                state_root: Optional[Path] = None, record: bool = True,
+                pinned: Sequence[str] = ()) -> dict:
     """ANN recall@k of the build against exact search over the same vectors, merged over shards,
     then the count reconciliation (reconcile_build). With `target_recall`, first tune the search
-    knobs to the cheapest setting meeting it and store them in the descriptor. A build whose
+    knobs (but the `pinned` ones) to the cheapest setting meeting it and store them in the
+    descriptor. A build whose
     files differ from what it recorded of them (damaged since) is not audited: IndexCorruptError
     names the files."""
     desc = store.descriptor(collection, build_id)
@@ -141,8 +161,12 @@ def audit_build(store: CollectionStore, collection: str, build_id: str, k: int =
     probe = _RecallProbe(shards, queries, k, desc.metric, desc.dim)
     tuning = None
     if target_recall is not None:
-        chosen, sweep = tune_knobs(probe, shards[0][0].cpu_index, knobs, target_recall)
-        tuning = {"target_recall": target_recall, "chosen": chosen.__dict__, "sweep": sweep}
+        index = shards[0][0].cpu_index
+        chosen, sweep = tune_knobs(probe, index, knobs, target_recall, pinned)
+        applies = index_knobs(index)
+        tuning = {"target_recall": target_recall, "sweep": sweep,
+                  "chosen": {k: v for k, v in chosen.__dict__.items() if k in applies},
+                  "pinned": [k for k in pinned if k in applies]}
         knobs = chosen
         desc.search_defaults = dict(chosen.__dict__)
     recall, ann_ms = probe.measure(knobs)

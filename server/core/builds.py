@@ -290,9 +290,11 @@ class BuildManager:
         desc = await loop.run_in_executor(None, compact_build, self.store, coll)
         source = coll.desc.audit or {}
         min_recall = source.get("min_recall", 0.9)
-        target = (source.get("tuning") or {}).get("target_recall")
+        tuning = source.get("tuning") or {}
+        target, pinned = tuning.get("target_recall"), tuple(tuning.get("pinned") or ())
         audit = await loop.run_in_executor(None, lambda: audit_build(
-            self.store, name, desc.build_id, min_recall=min_recall, target_recall=target))
+            self.store, name, desc.build_id, min_recall=min_recall, target_recall=target,
+            pinned=pinned))
         if not (audit["passed"] and audit["reconciliation"]["passed"]):
             raise FailedPrecondition(f"compacted build {desc.build_id} failed its checks: {audit}")
         try:  # written and audited just now; published only over its own source
