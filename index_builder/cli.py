@@ -36,10 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--corpus", type=Path, required=True,
                    help="BEIR corpus.jsonl (or its directory), or JSONL of {id, text, title?, metadata?, tenant?}")
     b.add_argument("--factory", default="Flat",
-                   help="faiss factory string, e.g. Flat, HNSW32,Flat, IVF1024,PQ48x4fs,RFlat")
+                   help="faiss factory string, e.g. Flat, HNSW32,Flat, IVF1024,PQ48x4fs,RFlat "
+                        "(default %(default)s: exact)")
     b.add_argument("--metric", choices=["ip", "l2"], default="ip",
                    help="ip = cosine on the normalised embeddings (default)")
-    b.add_argument("--shards", type=int, default=1, help="number of shards (hash of doc id)")
+    b.add_argument("--shards", type=int, default=1,
+                   help="number of shards (hash of doc id; default %(default)s)")
     b.add_argument("--nprobe", type=int, default=None,
                    help="IVF lists probed per query (default: tuned to --target-recall)")
     b.add_argument("--ef-search", type=int, default=None,
@@ -49,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target-recall", type=float, default=0.95,
                    help="with --audit/--publish: pick the cheapest knob setting (efSearch, nprobe, "
                         "k_factor) whose held-out recall@10 meets this; knobs given explicitly are "
-                        "kept as they are while the others tune (0 = do not tune)")
+                        "kept as they are while the others tune (default %(default)s; 0 = do not "
+                        "tune)")
     b.add_argument("--vectors", type=Path, default=None,
                    help="your own embeddings: .npy with one row per corpus record (non-blank "
                         "line), in corpus order, a record skipped for having no text keeping its "
@@ -73,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--build-id", default=None)
     b.add_argument("--audit", action="store_true", help="audit recall after building")
     b.add_argument("--publish", action="store_true", help="audit, then publish if the audit passes")
-    b.add_argument("--min-recall", type=float, default=0.9)
+    b.add_argument("--min-recall", type=float, default=0.9,
+                   help="the audit fails (and --publish refuses) below this recall@10 (default "
+                        "%(default)s)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
 
     a = sub.add_parser("audit", help="measure ANN recall@k against exact search; store it in the build")
@@ -85,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--audit-queries", type=Path, default=None,
                    help=".npy of held-out query vectors (n x dim) to audit (and tune) on, instead "
                         "of the ones stored with the build")
-    a.add_argument("--min-recall", type=float, default=0.9)
+    a.add_argument("--min-recall", type=float, default=0.9,
+                   help="the audit fails below this recall@10 (default %(default)s)")
     a.add_argument("--target-recall", type=float, default=None,
                    help="also tune the search knobs to the cheapest setting meeting this recall")
     a.add_argument("--state-dir", type=Path, default=None,
@@ -321,6 +327,11 @@ def cmd_publish(args) -> int:
 def cmd_list(args) -> int:
     from server.core.collection import CollectionStore
 
+    if not Path(args.data_dir).is_dir():  # a typo listed nothing and exited 0
+        print(f"data directory {args.data_dir} "
+              f"{'is not a directory' if Path(args.data_dir).exists() else 'does not exist'}",
+              file=sys.stderr)
+        return 2
     store = CollectionStore(args.data_dir)
     names = [args.collection] if args.collection else store.collections(unpublished=True)
     if args.collection and not store.builds(args.collection):

@@ -145,6 +145,17 @@ def _check_timeout(value: float) -> float:
     return value
 
 
+def _top_k(text: str) -> int:
+    """--top-k: a positive whole number (the server states its own upper limit)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of hits >= 1")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     """--timeout, checked as the client checks a timeout."""
     try:
@@ -270,11 +281,11 @@ def main(argv=None) -> int:
                    help="a file of queries (one per line, or JSONL with `text`), sent as SearchBatch "
                         "calls; writes one JSON line per query: id, code, hits or message")
     p.add_argument("--out", type=Path, help="with --queries: write the JSON lines here, not stdout")
-    p.add_argument("--address", default="127.0.0.1:50051")
-    p.add_argument("--collection", default="stdlib")
-    p.add_argument("--mode", choices=sorted(MODES), default="hybrid")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--trace", action="store_true")
+    p.add_argument("--address", default="127.0.0.1:50051", help="host:port (default %(default)s)")
+    p.add_argument("--collection", default="stdlib", help="default %(default)s (the demo's)")
+    p.add_argument("--mode", choices=sorted(MODES), default="hybrid", help="default %(default)s")
+    p.add_argument("--top-k", type=_top_k, default=5, help="hits per query (default %(default)s)")
+    p.add_argument("--trace", action="store_true", help="print why each hit ranked where it did")
     p.add_argument("--token-file", type=Path, help="file holding a bearer token (--auth-tokens servers)")
     p.add_argument("--tls-ca", type=Path, help="CA certificate: connect with TLS")
     p.add_argument("--tls-cert", type=Path, help="client certificate (mutual TLS)")
@@ -286,9 +297,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if (args.query is None) == (args.queries is None):
         p.error("give one query or --queries FILE")
+    try:
+        token = args.token_file.read_text().strip() if args.token_file else None
+    except OSError as exc:
+        p.error(f"--token-file {args.token_file}: {exc.strerror or exc}")
     if args.wait:
-        wait_ready(args.address, args.wait, args.tls_ca, args.tls_cert, args.tls_key)
-    token = args.token_file.read_text().strip() if args.token_file else None
+        try:
+            wait_ready(args.address, args.wait, args.tls_ca, args.tls_cert, args.tls_key)
+        except (grpc.FutureTimeoutError, grpc.RpcError, RuntimeError) as exc:
+            print(f"search-client: {args.address} did not answer SERVING within {args.wait:g} s"
+                  f"{'' if isinstance(exc, grpc.FutureTimeoutError) else f' ({exc})'}",
+                  file=sys.stderr)
+            return 2
     with SearchClient(args.address, token, args.tls_ca, args.tls_cert, args.tls_key,
                       args.timeout or 10.0) as client:
         if args.queries is not None:

@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="search-server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
+    # the metavar lists the commands users run (not the internal `frontend`)
+    sub = p.add_subparsers(dest="command", required=True,
+                           metavar="{serve,shard,router,config,health}")
     add_flags(sub.add_parser("serve", help="embedded default: front end and shards in one process"),
               "serve")
     add_flags(sub.add_parser("shard", help="serve one shard of a build to routers"), "shard")
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
     h.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
     # the front-end worker of `serve --workers N` (started by serve itself, not by users)
-    f = sub.add_parser("frontend", help=argparse.SUPPRESS)
+    f = sub.add_parser("frontend")
     f.add_argument("--engine-socket", required=True)
     add_flags(f, "serve")
     return p

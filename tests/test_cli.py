@@ -316,3 +316,53 @@ def test_a_pinned_knob_stays_while_the_others_tune(tmp_path, capsys):
     _print_tuning(audit, "IVF16,PQ4x4fs,RFlat")
     out = capsys.readouterr().out
     assert "(nprobe kept as given)" in out and "ef_search" not in out
+
+
+def test_command_line_mistakes_get_one_line_errors_not_tracebacks(tmp_path, capsys):
+    """Outside QA (a new user's walk-through): `list` of a mistyped data directory printed
+    nothing and exited 0; search-client answered --top-k -1, a missing --token-file and a server
+    that never came up (--wait) with tracebacks; a port in use was a 39-line traceback and the
+    metrics port's error did not say which port."""
+    import socket
+
+    from index_builder.cli import main as builder
+    from server.client import main as client
+    from server.transport.app import start_metrics
+
+    with pytest.raises(SystemExit) as exit_:
+        builder(["list", "--data-dir", str(tmp_path / "typo")])
+    assert exit_.value.code == 2 and "does not exist" in capsys.readouterr().err
+    for argv, said in ((["--top-k", "-1", "q"], "--top-k"),
+                       (["--token-file", str(tmp_path / "none"), "q"], "--token-file")):
+        with pytest.raises(SystemExit) as exit_:
+            client(argv)
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"127.0.0.1:{port} \\(--metrics-port\\)"):
+            start_metrics("127.0.0.1", port)
+        import grpc
+
+        from server.transport.app import _listen
+
+        async def listen():
+            server = grpc.aio.server()
+            try:
+                _listen(server, "127.0.0.1", port, None)
+            finally:
+                await server.stop(None)
+
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} \\(--host/--port\\)"):
+            asyncio.run(listen())
+    assert client(["--wait", "0.5", "--address", f"127.0.0.1:{_free_port()}", "q"]) == 2
+    assert "did not answer SERVING within 0.5 s" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

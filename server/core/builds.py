@@ -73,9 +73,10 @@ class BuildManager:
 
     def load_all(self, names: Sequence[str] = ()) -> None:
         if not self.store.data_dir.is_dir():  # a typo served nothing, silently
+            what = "is not a directory" if self.store.data_dir.exists() else "does not exist"
             raise FailedPrecondition(
-                f"data directory {self.store.data_dir} does not exist: fix --data-dir, or create "
-                "it (an empty one serves nothing until index-builder publishes a build into it)")
+                f"data directory {self.store.data_dir} {what}: fix --data-dir, or create it (an "
+                "empty one serves nothing until index-builder publishes a build into it)")
         check_writable(self.state_root)
         for name in names or self.store.collections():
             if self.store.writable:

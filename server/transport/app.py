@@ -79,10 +79,14 @@ class TLSConfig:
 
 def _listen(server: grpc.aio.Server, host: str, port: int, tls: Optional[TLSConfig]) -> int:
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, tls.credentials()) if tls is not None
-             else server.add_insecure_port(address))
-    if bound == 0:
-        raise RuntimeError(f"cannot listen on {address}")
+    why = "the address is in use or not available here"
+    try:
+        bound = (server.add_secure_port(address, tls.credentials()) if tls is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError:  # grpcio's "Failed to bind to address": a traceback, not a message
+        bound = 0
+    if bound == 0:  # an OSError: the command line says it in one line and exits 2
+        raise OSError(f"cannot listen on {address} (--host/--port): {why}")
     return bound
 
 
@@ -199,7 +203,11 @@ def start_metrics(host: str, metrics_port: Optional[int]) -> str:
         return ""
     from prometheus_client import start_http_server
 
-    start_http_server(metrics_port, addr=host)
+    try:
+        start_http_server(metrics_port, addr=host)
+    except OSError as exc:
+        raise OSError(f"cannot serve metrics on {host}:{metrics_port} (--metrics-port): "
+                      f"{exc.strerror or exc}") from None
     return f", metrics on http://{host}:{metrics_port}/metrics"
 
 
