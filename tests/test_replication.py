@@ -263,6 +263,16 @@ def test_the_shard_port_requires_the_router_credential(cluster):
                 with pytest.raises(grpc.RpcError) as err:
                     call()
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # a router given the wrong credential says so (outside QA: "no shard replica answered
+    # ShardInfo", and no log said why)
+    import asyncio
+
+    from server.errors import Unavailable
+    from server.transport.router import connect_router
+
+    with pytest.raises(Unavailable, match=f"{shard.address}: UNAUTHENTICATED"):
+        asyncio.run(connect_router(None, "rc", [[shard.address]], token="wrong-token-0123456789",
+                                   timeout=5))
 
 
 def test_the_shard_port_enforces_the_api_limits_itself(cluster):

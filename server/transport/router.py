@@ -39,11 +39,16 @@ def load_topology(path: Path) -> tuple[str, list[list[str]]]:
     return str(data["collection"]), [[str(a) for a in s] for s in shards]
 
 
-async def _read_infos(sets: Sequence[ReplicaSet], timeout: float, wait: bool) -> list[list]:
+async def _read_infos(sets: Sequence[ReplicaSet], timeout: float, wait: bool,
+                      failures: Optional[list] = None) -> list[list]:
+    """Every replica's ShardInfo (None where it failed; why, in `failures` when given)."""
     async def one(r):
         try:
             return await r.info(timeout=timeout, wait=wait)
-        except SearchError:
+        except SearchError as exc:
+            if failures is not None:
+                where = str(getattr(r, "address", r))
+                failures.append(str(exc) if str(exc).startswith(where) else f"{where}: {exc}")
             return None  # a replica that is down now is used once it is back
 
     return [await asyncio.gather(*(one(r) for r in rs.replicas)) for rs in sets]
@@ -71,7 +76,8 @@ async def connect_router(core: SearchCore, collection: str, shard_replicas: Sequ
     the shared router credential the shard servers require."""
     sets = [ReplicaSet(n, [RemoteShard(a, n, credentials, token) for a in addresses], policy)
             for n, addresses in enumerate(shard_replicas)]
-    infos = await _read_infos(sets, timeout, wait=True)
+    failures: list[str] = []
+    infos = await _read_infos(sets, timeout, wait=True, failures=failures)
     for n, shard in enumerate(infos):
         for info in shard:
             if info is not None and (info.shard_no != n or info.collection != collection):
@@ -79,8 +85,8 @@ async def connect_router(core: SearchCore, collection: str, shard_replicas: Sequ
                                          f"{info.collection!r}; the topology puts it at shard {n} "
                                          f"of {collection!r}")
     desc = _choose_build(infos)
-    if desc is None:
-        raise Unavailable("no shard replica answered ShardInfo")
+    if desc is None:  # say why: a wrong --shard-token-file read as "no replica answered"
+        raise Unavailable("no shard replica answered ShardInfo: " + "; ".join(failures[:4]))
     if desc.shards != len(sets):
         raise FailedPrecondition(f"build {desc.build_id} has {desc.shards} shards; the topology "
                                  f"lists {len(sets)}")
