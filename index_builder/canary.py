@@ -20,7 +20,8 @@ GENERIC = ("report", "results of the experiment", "the", "secret", "confidential
 
 def find_leaks(address: str, collection: str, credentials: Sequence[dict],
                sentinels: Sequence[str], top_k: int = 50,
-               skipped: Optional[dict] = None) -> tuple[int, list[str]]:
+               skipped: Optional[dict] = None, tls: Sequence = (None, None, None)
+               ) -> tuple[int, list[str]]:
     """(queries sent, leaks). A mode the server cannot answer for a text (FAILED_PRECONDITION:
     a collection of your own vectors served without an embedding model) is left out, with the
     server's reason in `skipped`; any other error raises ValueError (the check did not run)."""
@@ -32,7 +33,9 @@ def find_leaks(address: str, collection: str, credentials: Sequence[dict],
     leaks, queries = [], 0
     skipped = {} if skipped is None else skipped
     lowered = [s.lower() for s in sentinels]
-    with grpc.insecure_channel(address) as ch:
+    from server.client import open_channel
+
+    with open_channel(address, *tls) as ch:  # TLS with --tls-ca (and a client certificate)
         stub = pb_grpc.SearchServiceStub(ch)
         for cred in credentials:
             md = (("authorization", f"Bearer {cred['token']}"),)
@@ -66,7 +69,7 @@ def main(args) -> int:
     creds = json.loads(Path(args.credentials).read_text())
     skipped: dict = {}
     queries, leaks = find_leaks(args.address, args.collection, creds, args.sentinel,
-                                skipped=skipped)
+                                skipped=skipped, tls=(args.tls_ca, args.tls_cert, args.tls_key))
     for mode, reason in skipped.items():
         print(f"canary check: {mode} not checked: {reason}", file=sys.stderr)
     for leak in leaks:

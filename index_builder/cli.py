@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="BEIR dir with corpus.jsonl, queries.jsonl, qrels/, optionally =COLLECTION "
                          "(default: the directory's name); repeatable")
     ev.add_argument("--address", default="127.0.0.1:50051", help="a running server to query")
+    _tls_flags(ev)
     ev.add_argument("--serve-from", type=Path, default=None,
                     help="instead of --address: build any missing collection under this data "
                          "directory (Flat, packaged MiniLM) and serve them in this process")
@@ -141,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--address", default="127.0.0.1:50051")
     cp.add_argument("--collection", required=True)
     cp.add_argument("--token", default=None, help="bearer token with the operator role")
+    cp.add_argument("--token-file", type=Path, default=None,
+                    help="file holding that token (kept out of the process list)")
+    _tls_flags(cp)
 
     cc = sub.add_parser("canary-check", help="query as every other tenant; fail if a canary sentinel appears")
     cc.add_argument("--address", default="127.0.0.1:50051")
@@ -148,11 +152,20 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("--credentials", type=Path, required=True,
                     help='JSON list of {"tenant": ..., "token": ...} for the non-canary tenants')
     cc.add_argument("--sentinel", action="append", required=True, help="a sentinel string (repeatable)")
+    _tls_flags(cc)
 
     dc = sub.add_parser("demo-corpus", help="write a corpus of Python standard-library docstrings")
     dc.add_argument("--out", type=Path, required=True)
     dc.add_argument("--limit", type=int, default=None)
     return p
+
+
+def _tls_flags(parser) -> None:
+    """A server that speaks TLS (--tls-cert on its listener): the client side's flags, as
+    search-client and search-server health take them."""
+    parser.add_argument("--tls-ca", type=Path, default=None, help="the server speaks TLS: trust this CA")
+    parser.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
 
 
 def _knobs(args) -> tuple[dict, tuple[str, ...]]:
@@ -369,8 +382,11 @@ def cmd_compact(args) -> int:
     from server.rpc import search_pb2 as pb
     from server.rpc import search_pb2_grpc as pb_grpc
 
-    md = (("authorization", f"Bearer {args.token}"),) if args.token else ()
-    with grpc.insecure_channel(args.address) as ch:
+    from server.client import open_channel
+
+    token = args.token_file.read_text().strip() if args.token_file else args.token
+    md = (("authorization", f"Bearer {token}"),) if token else ()
+    with open_channel(args.address, args.tls_ca, args.tls_cert, args.tls_key) as ch:
         try:
             r = pb_grpc.AdminServiceStub(ch).Compact(pb.CompactRequest(collection=args.collection),
                                                      metadata=md, timeout=3600)

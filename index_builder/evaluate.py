@@ -202,7 +202,6 @@ def _serve(data_dir: Path, datasets: list[tuple[Path, str]]):
 
 
 def run_eval(args) -> int:
-    import grpc
 
     from server.core import limits
     from server.rpc import search_pb2 as pb
@@ -220,7 +219,10 @@ def run_eval(args) -> int:
     top_k = min(limits.MAX_TOP_K, args.depth * 2)
     report = {}
     try:
-        with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20)]) as ch:
+        from server.client import open_channel
+
+        tls = (None, None, None) if server else (args.tls_ca, args.tls_cert, args.tls_key)
+        with open_channel(address, *tls, max_answer_bytes=256 << 20) as ch:
             stub = pb_grpc.SearchServiceStub(ch)
             for path, collection in datasets:
                 report[collection] = _evaluate(stub, pb, path, collection, modes, compare, top_k, args)

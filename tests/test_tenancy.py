@@ -236,6 +236,15 @@ def test_tls_listener_serves_tls_clients_only(tenant_build, tiny_embedder, tmp_p
         assert health(address, "liveness", 5, tls_ca=cert) == 0
         assert health(address, "no.such.Service", 5, tls_ca=cert) == 1
         assert health(address, "", 2) == 1  # plaintext against a TLS listener
+        # so do the builder's commands that query a server (outside QA: always plaintext)
+        from index_builder.cli import main as builder
+
+        creds = tmp_path / "creds.json"
+        creds.write_text(json.dumps([{"tenant": "big", "token": TOKENS["big"]}]))
+        with pytest.raises(SystemExit) as done:
+            builder(["canary-check", "--address", address, "--collection", "mt", "--credentials",
+                     str(creds), "--sentinel", SENTINELS[0], "--tls-ca", str(cert)])
+        assert done.value.code == 0
     finally:
         srv.stop()
 
