@@ -202,7 +202,6 @@ def _serve(data_dir: Path, datasets: list[tuple[Path, str]]):
 
 
 def run_eval(args) -> int:
-
     from server.core import limits
     from server.rpc import search_pb2 as pb
     from server.rpc import search_pb2_grpc as pb_grpc
