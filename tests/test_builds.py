@@ -615,3 +615,33 @@ def test_a_corpus_with_fewer_documents_than_shards_is_audited_published_and_serv
                 assert r.hits[0].doc_id == "d1" or mode == pb.DENSE
     finally:
         srv.stop()
+
+
+def test_a_build_under_a_strict_umask_is_still_readable_by_other_users(tmp_path):
+    """Outside QA: under umask 077 the data root, the collection's directory and builds/ were
+    made 0700, so a server running as another user could not reach the world-readable files
+    inside (ALIAS: permission denied)."""
+    import os
+    import stat
+
+    import numpy as np
+
+    from index_builder.build import build_collection
+    from index_builder.corpus import Document
+    from server.core.collection import CollectionStore
+
+    data = tmp_path / "fresh-data"
+    old = os.umask(0o077)
+    try:
+        store = CollectionStore(data)
+        desc = build_collection([Document(f"d{i}", f"doc {i}") for i in range(20)], store, "u",
+                                None, "Flat", quiet=True,
+                                vectors=np.random.default_rng(1).standard_normal((20, 4)),
+                                model_id="m")
+        store.publish("u", desc.build_id, require_audit=False)
+    finally:
+        os.umask(old)
+    others = stat.S_IROTH | stat.S_IXOTH
+    for d in (data, data / "u", data / "u" / "builds", store.build_dir("u", desc.build_id)):
+        assert d.stat().st_mode & others == others, d
+    assert (data / "u" / "ALIAS").stat().st_mode & stat.S_IROTH

@@ -98,11 +98,12 @@ def check_name(name: str, what: str = "collection") -> str:
     return name
 
 
-def readable_by_all(root: Path) -> None:
-    """Add read (and, for directories, search) permission for everyone under `root`: a build is
-    served read-only, often by another user than the one that built it, and some writers (tantivy's
-    meta.json, temporary-file renames) create files readable by their owner only."""
-    for path in [root, *Path(root).rglob("*")]:
+def readable_by_all(root: Path, recursive: bool = True) -> None:
+    """Add read (and, for directories, search) permission for everyone under `root` (or on `root`
+    alone): a build is served read-only, often by another user than the one that built it, and
+    some writers (tantivy's meta.json, temporary-file renames) create files readable by their
+    owner only."""
+    for path in [root, *(Path(root).rglob("*") if recursive else ())]:
         if path.is_symlink():
             continue
         mode = path.stat().st_mode
@@ -184,7 +185,13 @@ class CollectionStore:
         if final.exists():
             raise FileExistsError(f"build {final} already exists")
         builds = final.parent
+        made = [p for p in (self.data_dir, builds.parent, builds) if not p.exists()]
         builds.mkdir(parents=True, exist_ok=True)
+        for path in {builds.parent, builds, *made}:  # a strict umask (077) made them owner-only:
+            try:                                    # another user's server could not reach builds
+                readable_by_all(path, recursive=False)
+            except PermissionError:  # another user's directory: theirs to open
+                pass
         self.sweep_abandoned(name)
         lock_path = builds / f".tmp-{build_id}.lock"
         fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
