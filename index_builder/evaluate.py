@@ -8,8 +8,10 @@ functions against ranx and against rankings computed by hand.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
+import io
 import json
 import math
 import sys
@@ -201,6 +203,18 @@ def _serve(data_dir: Path, datasets: list[tuple[Path, str]]):
     return ServerThread(core).start()
 
 
+class _Tee(io.TextIOBase):
+    """Writes to several text streams."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+
 def run_eval(args) -> int:
     from server.core import limits
     from server.rpc import search_pb2 as pb
@@ -223,8 +237,11 @@ def run_eval(args) -> int:
         tls = (None, None, None) if server else (args.tls_ca, args.tls_cert, args.tls_key)
         with open_channel(address, *tls, max_answer_bytes=256 << 20) as ch:
             stub = pb_grpc.SearchServiceStub(ch)
-            for path, collection in datasets:
-                report[collection] = _evaluate(stub, pb, path, collection, modes, compare, top_k, args)
+            tables = io.StringIO()  # the printed tables, also kept as OUT/eval_tables.md
+            with contextlib.redirect_stdout(_Tee(sys.stdout, tables)):
+                for path, collection in datasets:
+                    report[collection] = _evaluate(stub, pb, path, collection, modes, compare,
+                                                   top_k, args)
     finally:
         if server is not None:
             server.stop()
@@ -238,7 +255,9 @@ def run_eval(args) -> int:
                     for qid, q in per_query.items():
                         f.write(json.dumps({"collection": collection, "mode": mode, "query_id": qid,
                                             **q}) + "\n")
-        print(f"summary and per-query results written to {args.out}", file=sys.stderr)
+        (args.out / "eval_tables.md").write_text(tables.getvalue().lstrip("\n"))
+        print(f"summary.json, per_query.jsonl and eval_tables.md written to {args.out}",
+              file=sys.stderr)
     if getattr(args, "plots", None):
         from harness.plots import ndcg_by_slice
 

@@ -3,6 +3,7 @@
 # start the search service on the embedded default, and answer a query over gRPC.
 #   bash scripts/demo.sh            # keeps serving on 127.0.0.1:50051 until Ctrl-C
 #   bash scripts/demo.sh --once     # answers the demo queries, then stops the server
+# PORT=50051 (gRPC; metrics on PORT+1000) and SEARCH_DATA_DIR=demo-data override the defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

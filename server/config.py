@@ -41,7 +41,9 @@ def opt(default: Any, help: str, **extra) -> Any:
 class ListenConfig:
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
     port: int = opt(50051, "gRPC port (0 = an ephemeral port, printed at start)", maximum=65535)
-    metrics_port: Optional[int] = opt(None, "serve Prometheus metrics over HTTP on this port",
+    metrics_port: Optional[int] = opt(None, "serve Prometheus metrics over HTTP on this port "
+                                      "(serve --workers N: the front ends' request metrics on "
+                                      "the next N ports)",
                                       maximum=65535)
     log_level: str = opt("INFO", "logging level")
     shutdown_grace_s: float = opt(5.0, "on SIGTERM: seconds in-flight calls get to finish (new calls "

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                                             "fuse, rerank"), "router")
     c = sub.add_parser("config", help="print the effective configuration as TOML")
     c.add_argument("--print", action="store_true", help="print it (the default)")
+    c.add_argument("--role", choices=("serve", "shard", "router"), default="serve",
+                   help="whose configuration: its defaults differ (a shard listens on 50061) "
+                        "(default %(default)s)")
     add_flags(c, "config")
     h = sub.add_parser("health", help="exit 0 when a server answers SERVING (container probes)")
     h.add_argument("--address", default="127.0.0.1:50051")
@@ -91,7 +94,7 @@ def main(argv=None) -> None:
                                 args.tls_cert, args.tls_key))
     command = args.command if args.command != "frontend" else "serve"
     try:
-        cfg = load_config(command if command != "config" else "config", args)
+        cfg = load_config(args.role if command == "config" else command, args)
         if args.command != "config":
             from server.transport.app import event_loop_runner
 

@@ -285,6 +285,9 @@ def test_eval_runs_several_datasets_from_one_command(tmp_path):
     assert "| hybrid-rrf | all | 6 |" in out.stdout and "nDCG@10 hybrid - hybrid-rrf" in out.stdout
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert set(summary) == {"cranmini", "second"} and "hybrid vs hybrid-rrf" in summary["second"]["tests"]
+    # the printed tables are kept beside it (outside QA: README named a file nothing wrote)
+    tables = (tmp_path / "report" / "eval_tables.md").read_text()
+    assert "## cranmini (6 judged queries)" in tables and "| hybrid-rrf | all | 6 |" in tables
 
 
 def test_a_pinned_knob_stays_while_the_others_tune(tmp_path, capsys):

@@ -90,6 +90,11 @@ def test_config_print_shows_the_effective_configuration_and_it_round_trips(tmp_p
     again = load_config("config", None, {}, saved)
     assert again.engine.max_batch == 24 and again.replication.nats == ["nats://a:4222", "nats://b:4222"]
     assert again.pipeline.dense_feedback_docs == 3
+    # a role's own defaults (outside QA: it always printed serve's, port 50051, which a shard
+    # then took from the file)
+    shard = subprocess.run([sys.executable, "-m", "server.main", "config", "--print", "--role",
+                            "shard"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert shard.returncode == 0 and "port = 50061" in shard.stdout, shard.stderr
 
 
 @pytest.mark.parametrize("command", ["serve", "shard", "router", "config"])

@@ -376,6 +376,9 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
         await engine.start()
         await core.start()
         note = app.start_metrics(cfg.listen.host, cfg.listen.metrics_port)
+        if note:  # each front end serves its own request metrics on the next ports
+            note += (f" (the engine's; front ends' on {cfg.listen.metrics_port + 1}-"
+                     f"{cfg.listen.metrics_port + cfg.listen.workers})")
         argv = [a for a in sys.argv[1:] if a != "serve"]
         metrics = cfg.listen.metrics_port
 
