@@ -912,11 +912,13 @@ def test_a_chunk_that_fails_the_whole_batch_stops_the_other_chunks():
 
     pipeline._search = chunk
     pipeline._prepare = lambda st, tenant, acl_scopes: None  # the stand-in queries are valid
-    pipeline._collection_term_stats = lambda *args: None     # and need no statistics round
+
+    class Q(int):  # a stand-in query of vectors alone: no statistics round
+        text = ""
 
     async def go():
         with pytest.raises(DeadlineExceeded):  # (unchunked, the lone call would wait forever)
-            await asyncio.wait_for(pipeline.search([0, 1, 2, 3, 4], "default", (), None), 10)
+            await asyncio.wait_for(pipeline.search([Q(i) for i in range(5)], "default", (), None), 10)
         # inside the loop's life (asyncio.run's own clean-up would cancel them anyway)
         for _ in range(100):
             if len(cancelled) == 2:

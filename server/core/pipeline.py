@@ -119,20 +119,23 @@ class QueryPipeline:
                      deadline: Optional[float]) -> list:
         """One answer per query, in order: a SearchResult, or the SearchError of that query."""
         t_start = time.perf_counter()
-        states = [_Query(q) for q in queries]
-        for st in states:
-            self._prepare(st, tenant, acl_scopes)
         chunk = self.config.batch_chunk
-        if chunk <= 0 or len(states) <= chunk:
-            return await self._search(states, tenant, acl_scopes, deadline, t_start)
-        # one statistics round for the whole batch before its chunks search: each chunk's own
-        # round would queue behind the other chunks' searches and could run past its budget,
-        # leaving that chunk's queries on per-shard statistics
-        stats_round = self._collection_term_stats(states, tenant, acl_scopes, deadline)
-        stats = {} if stats_round is None else await stats_round
-        tasks = [asyncio.ensure_future(self._search(states[i:i + chunk], tenant, acl_scopes,
-                                                    deadline, t_start, stats))
-                 for i in range(0, len(states), chunk)]
+        if chunk <= 0 or len(queries) <= chunk:
+            return await self._search(self._prepared(queries, tenant, acl_scopes), tenant,
+                                      acl_scopes, deadline, t_start)
+        if any(q.text for q in queries):
+            # one statistics round for the whole batch before its chunks search: each chunk's
+            # own round would queue behind the other chunks' searches and could run past its
+            # budget, leaving that chunk's queries on per-shard statistics
+            states = self._prepared(queries, tenant, acl_scopes)
+            stats_round = self._collection_term_stats(states, tenant, acl_scopes, deadline)
+            stats = {} if stats_round is None else await stats_round
+            parts = [self._search(states[i:i + chunk], tenant, acl_scopes, deadline, t_start,
+                                  stats) for i in range(0, len(states), chunk)]
+        else:  # vectors alone: no round; each chunk is prepared while the ones before it search
+            parts = [self._prepared_search(queries[i:i + chunk], tenant, acl_scopes, deadline,
+                                           t_start) for i in range(0, len(queries), chunk)]
+        tasks = [asyncio.ensure_future(part) for part in parts]
         try:
             parts = await asyncio.gather(*tasks)
         except BaseException:  # an error of the whole batch (its deadline), or a chunk or the
@@ -140,6 +143,19 @@ class QueryPipeline:
                 t.cancel()
             raise
         return [answer for part in parts for answer in part]
+
+    def _prepared(self, queries: Sequence[SearchQuery], tenant: str,
+                  acl_scopes: tuple) -> list[_Query]:
+        states = [_Query(q) for q in queries]
+        for st in states:
+            self._prepare(st, tenant, acl_scopes)
+        return states
+
+    async def _prepared_search(self, queries: Sequence[SearchQuery], tenant: str,
+                               acl_scopes: tuple, deadline: Optional[float],
+                               t_start: float) -> list:
+        return await self._search(self._prepared(queries, tenant, acl_scopes), tenant, acl_scopes,
+                                  deadline, t_start)
 
     async def _search(self, states: list[_Query], tenant: str, acl_scopes: tuple,
                       deadline: Optional[float], t_start: float,
