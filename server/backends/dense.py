@@ -307,29 +307,43 @@ def exact_search(vectors, rows: np.ndarray, queries: np.ndarray, k: int,
     if len(rows) == 0:
         return [(np.zeros(0, np.float32), np.zeros(0, np.int64)) for _ in range(len(queries))]
     block = np.asarray(vectors[rows], dtype=np.float32)
-    centre = None
+    dim = block.shape[1]
+    b_max = 1.0  # an ip collection stores unit vectors (validation.unit_vectors scales each)
     if metric == "l2":  # -|b - q|^2 = 2 b.q - |b|^2 - |q|^2, about the rows' mean: far from the
         # origin the expansion's terms are huge and cancel, in float32 (vectors 1e4 out gave
         # the wrong neighbours and positive "distances"); distances do not move with the origin
         centre = block.mean(0, dtype=np.float64).astype(np.float32)
         block, queries = block - centre, queries - centre
-        scores = (2 * (queries @ block.T) - (block * block).sum(1)[None, :]
+        sq = np.einsum("ij,ij->i", block, block)  # |b|^2 per row (float32: for a bound, enough)
+        b_max = float(np.sqrt(sq.max())) * 1.001
+        scores = (2 * (queries @ block.T) - sq[None, :]
                   - (queries * queries).sum(1)[:, None])
     else:
         scores = queries @ block.T                   # (queries, rows): one contiguous row each
     k = min(k, len(rows))
+    # float32 products round differently with a row's position in the block and the batch's size
+    # (BLAS kernels): one query's scores moved by ~1e-7 with what was searched beside it, and
+    # equal vectors scored unequal (outside QA: identical documents got three scores; which one
+    # a page kept changed between Search and a batch). Every row whose float32 score lies within
+    # float32's error bound of the k-th is scored again in float64, rounded once: the same scores
+    # alone or in any batch, equal ones in row order. The bound: a length-d float32 dot product
+    # errs by at most ~d * 2^-24 * |q| |b| (the l2 expansion by that on |q|^2 + |b|^2), doubled
+    eps = 2.0 * dim * 2.0 ** -24
+    q_norms = np.sqrt((queries.astype(np.float64) ** 2).sum(1))
+    wide = None  # the block in float64, made once when most rows need rescoring
     out = []
     for j in range(queries.shape[0]):
         col = scores[j]
-        # float32 products round differently with a row's position in the block and the
-        # batch's size (BLAS kernels): one query's scores moved by ~1e-7 with what was searched
-        # beside it, and equal vectors scored unequal (outside QA: identical documents got three
-        # scores; which one a page kept changed between Search and a batch). The rows within
-        # float32's error of the k-th are scored again in float64, rounded once: the same
-        # scores alone or in any batch, equal ones in row order
+        q_n = float(q_norms[j])
+        tol = eps * (q_n * q_n + b_max * b_max if metric == "l2" else q_n * b_max)
         kth = col[np.argpartition(-col, k - 1)[k - 1]] if k < len(col) else col.min()
-        near = np.flatnonzero(col >= kth - 1e-4 * max(1.0, abs(float(kth))))
-        exact = _exact_scores(block[near], queries[j], metric)
+        near = np.flatnonzero(col >= kth - tol)
+        if 2 * len(near) > len(col):
+            if wide is None:
+                wide = block.astype(np.float64)
+            exact = _exact_scores(wide[near], queries[j], metric)
+        else:
+            exact = _exact_scores(block[near], queries[j], metric)
         top = np.lexsort((rows[near], -exact))[:k]
         out.append((exact[top], rows[near][top].astype(np.int64)))
     return out
