@@ -253,3 +253,35 @@ def test_repeats_and_a_budget_read_deeper_only_until_the_budget_ends_the_page(tm
                   dict(text=same, top_k=5, mode="dense", context_token_budget=20))
     assert len(r.hits) == 1
     assert sum("deep" in n for n in r.notes) == 1, r.notes
+
+
+def test_a_budget_that_fits_no_passage_does_not_deepen_a_hybrid_query(tmp_path, tiny_embedder):
+    """Review: the hybrid deepening also fired when the token budget took no passage, reading
+    and tokenizing 800 and then 3,200 more candidates (with feedback rounds) for one cheap
+    request; a hybrid query reads deeper for repeats only."""
+    import asyncio
+
+    from conftest import make_core, publish_build
+    from index_builder.corpus import Document
+    from server.core.types import SearchQuery
+
+    docs = [Document(f"d{i}", f"shock tube experiment number {i} " + "with a long nozzle " * 8)
+            for i in range(40)]
+    publish_build(tmp_path, "dup", docs, tiny_embedder)
+    counted = []
+    core = make_core(tmp_path, tiny_embedder,
+                     pipeline={"retrieval_cache_size": 0, "default_depth": 10})
+    core.load()
+    core.pipeline.encoders.count_tokens = lambda texts: counted.extend(texts) or [100] * len(texts)
+
+    async def go():
+        await core.start()
+        try:
+            return await core.search(SearchQuery("dup", text="shock tube", top_k=5, mode="hybrid",
+                                                 context_token_budget=10), "default")
+        finally:
+            await core.close()
+
+    r = asyncio.run(go())
+    assert r.hits == [] and not any("deep" in n for n in r.notes)
+    assert len(counted) <= 20  # the first round's candidates only (10 per list)

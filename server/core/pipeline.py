@@ -715,7 +715,8 @@ class QueryPipeline:
         """Whether a short page may fill from deeper in the same retrievers: passages were
         dropped as repeats (or as another tenant's or scope's, defence in depth) and the budget
         (if any) did not end the page, or the budget took none at all - a budget that holds
-        fewer than top_k passages is how budgets work, not a short page; retrievers whose
+        fewer than top_k passages is how budgets work, not a short page (and for a hybrid
+        query, repeats only: its lists are deep already); retrievers whose
         depths the request did not pin, a list of which came back full (more may exist), not
         reranked (the rerank window is the request's)."""
         q = st.q
@@ -725,7 +726,10 @@ class QueryPipeline:
         if over_budget and a.selected:  # the budget ends this page: no deeper list fills it
             return False
         repeats = any(not reason.startswith("over_token_budget") for _, reason in a.dropped)
-        if not repeats and not (q.context_token_budget and not a.selected):
+        # a budget that took none of a hybrid query's ~200 candidates is not helped by 800 or
+        # 3,200 more (each fetched and tokenized, with feedback rounds): repeats only, there
+        budget_took_none = bool(q.context_token_budget) and not a.selected and st.mode != "hybrid"
+        if not repeats and not budget_took_none:
             return False
         lists = []  # (depth asked, got, pinned by the request) of each retriever the query uses
         if st.mode in ("dense", "hybrid"):
