@@ -124,23 +124,30 @@ class QueryPipeline:
             return await self._search(self._prepared(queries, tenant, acl_scopes), tenant,
                                       acl_scopes, deadline, t_start)
         if any(q.text for q in queries):
-            # one statistics round for the whole batch before its chunks search: each chunk's
-            # own round would queue behind the other chunks' searches and could run past its
-            # budget, leaving that chunk's queries on per-shard statistics
+            # one statistics round for the whole batch: each chunk's own round would queue
+            # behind the other chunks' searches and could run past its budget, leaving that
+            # chunk's queries on per-shard statistics (scores unlike Search's). One round, one
+            # budget; it runs while the chunks embed, and each chunk takes its statistics after
             states = self._prepared(queries, tenant, acl_scopes)
             stats_round = self._collection_term_stats(states, tenant, acl_scopes, deadline)
-            stats = {} if stats_round is None else await stats_round
+            shared = asyncio.ensure_future(stats_round) if stats_round is not None else None
             parts = [self._search(states[i:i + chunk], tenant, acl_scopes, deadline, t_start,
-                                  stats) for i in range(0, len(states), chunk)]
+                                  shared if shared is not None else {})
+                     for i in range(0, len(states), chunk)]
         else:  # vectors alone: no round; each chunk is prepared while the ones before it search
             parts = [self._prepared_search(queries[i:i + chunk], tenant, acl_scopes, deadline,
                                            t_start) for i in range(0, len(queries), chunk)]
+            shared = None
         tasks = [asyncio.ensure_future(part) for part in parts]
         try:
             parts = await asyncio.gather(*tasks)
         except BaseException:  # an error of the whole batch (its deadline), or a chunk or the
             for t in tasks:    # caller cancelled: the other chunks stop too
                 t.cancel()
+            if shared is not None:
+                shared.cancel()
+                if shared.done() and not shared.cancelled():
+                    shared.exception()  # read: the chunks raised it already
             raise
         return [answer for part in parts for answer in part]
 
@@ -158,10 +165,10 @@ class QueryPipeline:
                                   deadline, t_start)
 
     async def _search(self, states: list[_Query], tenant: str, acl_scopes: tuple,
-                      deadline: Optional[float], t_start: float,
-                      stats: Optional[dict[int, TermStats]] = None) -> list:
-        """The prepared queries' answers; `stats`, when the batch's statistics round ran
-        already (a chunked batch), else the round runs here."""
+                      deadline: Optional[float], t_start: float, stats=None) -> list:
+        """The prepared queries' answers. `stats`: the batch's statistics round (a chunked
+        batch: its result, or the future of it, which runs while this chunk embeds), else the
+        round runs here."""
         t = time.perf_counter()
         # the statistics round needs only the text: it runs while the queries are embedded
         stats_round = (self._collection_term_stats(states, tenant, acl_scopes, deadline)
@@ -182,6 +189,8 @@ class QueryPipeline:
             t = self._lap(states, "embed", t)
         if stats is None:
             stats = {} if stats_round is None else await stats_round
+        elif isinstance(stats, asyncio.Future):  # shared with the batch's other chunks: a chunk
+            stats = await asyncio.shield(stats)  # cancelled alone leaves it to them
         for st in states:
             if st.live:
                 st.sq = self._shard_query(st, tenant, acl_scopes)
