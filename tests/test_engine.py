@@ -1063,3 +1063,39 @@ def test_a_panic_of_the_bm25_library_fails_the_query_at_once_naming_the_index(en
     assert isinstance(got, IndexCorruptError)
     assert "BM25 index in" in str(got) and "index out of bounds" in str(got)
     assert after.lexical  # the shard still answers
+
+
+def test_a_panic_while_writing_fails_the_group_at_once_and_the_queue_goes_on():
+    """Review: the write queue caught Exception only, so a tantivy panic (a BaseException) in
+    a group's commit left its writers waiting for their deadlines; they now get an
+    IndexCorruptError at once, and the next group is applied."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.core.engine.scheduler import WriteQueue
+    from server.errors import IndexCorruptError
+
+    class PanicException(BaseException):  # pyo3's, by name
+        pass
+
+    calls = []
+
+    def apply(writes):
+        calls.append(list(writes))
+        if len(calls) == 1:
+            raise PanicException("index out of bounds")
+        return [f"ok-{w}" for w in writes]
+
+    pool = ThreadPoolExecutor(1)
+
+    async def go():
+        q = WriteQueue(apply, pool, ("unit", "0"))
+        first = await asyncio.wait_for(asyncio.gather(q.submit(["a"]), return_exceptions=True), 10)
+        second = await asyncio.wait_for(q.submit(["b"]), 10)
+        return first[0], second
+
+    try:
+        first, second = asyncio.run(go())
+    finally:
+        pool.shutdown()
+    assert isinstance(first, IndexCorruptError) and "index out of bounds" in str(first)
+    assert second == ["ok-b"]

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from server.core import metrics
 from server.core.types import ShardQuery, ShardResult, ShardWrite, WriteOutcome
-from server.errors import DeadlineExceeded, Unavailable
+from server.errors import DeadlineExceeded, IndexCorruptError, Unavailable, is_panic
 
 
 @dataclass
@@ -296,7 +296,12 @@ class WriteQueue:
                 self.groups += 1
                 try:
                     outcomes = await loop.run_in_executor(self.writer, self.apply, writes)
-                except Exception as exc:
+                except BaseException as exc:
+                    if not (isinstance(exc, Exception) or is_panic(exc)):
+                        raise  # cancellation, exit: not the writes' answer
+                    if is_panic(exc):  # tantivy's, on a damaged file: the writers hear at once
+                        exc = IndexCorruptError(f"a write group failed in the BM25 index ({exc}): "
+                                                "it is damaged; restore the state or rebuild")
                     for p in group:
                         p.future.set_exception(exc)
                     continue
