@@ -311,9 +311,11 @@ def cmd_audit(args) -> int:
         desc = store.descriptor(args.collection, build)
         queries = prepare_audit_queries(np.load(args.audit_queries, allow_pickle=False), desc.dim,
                                         desc.metric)
+    pinned = ((store.descriptor(args.collection, build).audit or {}).get("tuning") or {}).get(
+        "pinned") or ()  # knobs given at build time stay given
     audit = audit_build(store, args.collection, build, args.k, queries=queries,
                         n_queries=args.queries, min_recall=args.min_recall,
-                        target_recall=args.target_recall,
+                        target_recall=args.target_recall, pinned=tuple(pinned),
                         state_root=args.state_dir or args.data_dir / ".state", record=record)
     print(json.dumps(audit, indent=2))
     return 0 if audit["passed"] and audit["reconciliation"]["passed"] else 1
@@ -384,7 +386,12 @@ def cmd_compact(args) -> int:
 
     from server.client import open_channel
 
-    token = args.token_file.read_text().strip() if args.token_file else args.token
+    try:
+        token = args.token_file.read_text().strip() if args.token_file else args.token
+    except OSError as exc:
+        print(f"index-builder compact: --token-file {args.token_file}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
     md = (("authorization", f"Bearer {token}"),) if token else ()
     with open_channel(args.address, args.tls_ca, args.tls_cert, args.tls_key) as ch:
         try:

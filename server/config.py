@@ -128,7 +128,8 @@ class PipelineConfig:
 
 @dataclass
 class EngineConfig:
-    batching: bool = opt(True, "coalesce concurrent queries of one shard into one faiss call")
+    batching: bool = opt(True, "coalesce concurrent queries of one shard into one faiss call "
+                               "(per restriction and depth)")
     max_batch: int = opt(64, "queries per faiss call", minimum=1)
     dispatch_timeout_ms: float = opt(1.0, "a batch closes this long after its first query when "
                                           "the index is busy (an idle index, or a free device "
@@ -397,10 +398,13 @@ def default_config(command: str = "serve") -> ServerConfig:
 
 
 def load_config(command: str, args: Optional[argparse.Namespace] = None,
-                environ: Optional[dict] = None, config_file: Optional[Path] = None) -> ServerConfig:
-    """Defaults < TOML file < environment < flags, each value checked against its field's type."""
+                environ: Optional[dict] = None, config_file: Optional[Path] = None,
+                defaults_of: Optional[str] = None) -> ServerConfig:
+    """Defaults < TOML file < environment < flags, each value checked against its field's type.
+    `defaults_of`: start from that role's defaults (`config --print --role shard`) while reading
+    every section the command takes."""
     environ = os.environ if environ is None else environ
-    cfg = default_config(command)
+    cfg = default_config(defaults_of or command)
     types = _section_types()
     values: dict[tuple[str, str], Any] = {}
     path = config_file or (getattr(args, "config", None) if args is not None else None)

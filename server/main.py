@@ -94,7 +94,7 @@ def main(argv=None) -> None:
                                 args.tls_cert, args.tls_key))
     command = args.command if args.command != "frontend" else "serve"
     try:
-        cfg = load_config(args.role if command == "config" else command, args)
+        cfg = load_config(command, args, defaults_of=args.role if command == "config" else None)
         if args.command != "config":
             from server.transport.app import event_loop_runner
 

@@ -187,11 +187,9 @@ class CollectionStore:
         builds = final.parent
         made = [p for p in (self.data_dir, builds.parent, builds) if not p.exists()]
         builds.mkdir(parents=True, exist_ok=True)
-        for path in {builds.parent, builds, *made}:  # a strict umask (077) made them owner-only:
-            try:                                    # another user's server could not reach builds
-                readable_by_all(path, recursive=False)
-            except PermissionError:  # another user's directory: theirs to open
-                pass
+        for path in made:  # a strict umask (077) made them owner-only: another user's server
+            readable_by_all(path, recursive=False)  # could not reach the builds inside (an
+            # existing directory keeps the mode its owner gave it)
         self.sweep_abandoned(name)
         lock_path = builds / f".tmp-{build_id}.lock"
         fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)

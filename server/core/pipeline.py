@@ -3,7 +3,7 @@
 
 A single Search is a batch of one; SearchBatch runs the same code, so every stage serves all of a
 batch's queries together: their embeddings share model batches, each shard receives one message
-holding every query for it (and batches them into one faiss call per restriction), and a query
+holding every query for it (and batches them into one faiss call per restriction and depth), and a query
 that fails validation fails alone in its slot. A large batch runs as concurrent chunks of
 `batch_chunk` queries (one message per shard each): the event loop assembles the answers of the
 chunks whose searches are done while the device threads search the rest, instead of every stage
@@ -776,6 +776,7 @@ class QueryPipeline:
             await self._dense_feedback([st], tenant, acl_scopes, deadline)
         if self._wants_expansion(st):  # the same first hits: the same expansion, searched deeper
             await self._lexical_feedback([st], tenant, acl_scopes, deadline)
+        st.notes[:] = dict.fromkeys(st.notes)  # the feedback rounds' notes once, not per round
         st.notes.append(f"retrieved {max(st.sq.dense_depth, st.sq.lexical_depth)} deep: "
                         f"duplicates or the token budget left the page short")
         return True

@@ -79,7 +79,8 @@ class TLSConfig:
 
 def _listen(server: grpc.aio.Server, host: str, port: int, tls: Optional[TLSConfig]) -> int:
     address = f"{host}:{port}"
-    why = "the address is in use or not available here"
+    why = "the address is in use or not available here" + (
+        ", or --tls-cert/--tls-key are not a valid certificate and key" if tls is not None else "")
     try:
         bound = (server.add_secure_port(address, tls.credentials()) if tls is not None
                  else server.add_insecure_port(address))

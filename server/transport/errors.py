@@ -162,7 +162,7 @@ def boundary(method: str):
                 await context.abort(code, str(exc))
             except grpc.aio.AbortError:
                 raise
-            except (KeyboardInterrupt, SystemExit):
+            except (KeyboardInterrupt, SystemExit, GeneratorExit):
                 raise
             except BaseException as exc:  # a bug (or a native library's panic): report
                 log.exception("unexpected error in %s", method)  # INTERNAL, keep serving

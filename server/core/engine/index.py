@@ -3,7 +3,7 @@ immutable build), the BM25 index and the chunk store (in the shard's writable st
 
 Everything here is synchronous and thread-safe; the scheduler (scheduler.py) decides when and on
 which thread it runs. Searches take groups of queries that share one restriction, so the dense
-branch of the whole group is one faiss call with one selector.
+branch of the whole group is one faiss call (per search depth) with one selector.
 
 Restriction (tenant, ACL scopes, metadata filters, liveness) is decided by the chunk store and
 applied inside both searches, never after them:
@@ -413,7 +413,7 @@ class ShardIndex:
 
     @_panics_as_corruption
     def search_group(self, queries: Sequence[ShardQuery], lexical_map=map) -> list[ShardResult]:
-        """Answer queries that share one restriction: one faiss call for all their vectors, one
+        """Answer queries that share one restriction: one faiss call per depth for their vectors, one
         BM25 search each (through `lexical_map`, e.g. a thread pool's map: tantivy releases the
         GIL), one store read for every record any of them may show."""
         q0 = queries[0]

@@ -4,7 +4,7 @@ into group commits. Each owns its state behind a small handle (`submit`), like t
 
 Search policy (`SearchScheduler`):
 - queries queue in groups by restriction (build, tenant, ACL scopes, filters); a batch holds one
-  group's queries only, so it is one faiss call with one selector - mixed restrictions never share
+  group's queries only, so it is one faiss call (per depth) with one selector - mixed restrictions never share
   a selector;
 - a group is ready to go when it holds `max_batch` queries, when its first query has waited
   `dispatch_timeout_ms`, at once when no batch of this shard is running (an idle index pays no
