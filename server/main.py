@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Optional
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(internal: bool = False) -> argparse.ArgumentParser:
+    """The command line; `internal` adds `frontend`, which `serve --workers N` starts itself (so a
+    user's typo is never offered it)."""
     from server.config import add_flags
 
     p = argparse.ArgumentParser(prog="search-server", description=__doc__,
@@ -50,10 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--tls-ca", type=Path, default=None, help="the server speaks TLS: trust this CA")
     h.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
     h.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
-    # the front-end worker of `serve --workers N` (started by serve itself, not by users)
-    f = sub.add_parser("frontend")
-    f.add_argument("--engine-socket", required=True)
-    add_flags(f, "serve")
+    if internal:  # the front-end worker of `serve --workers N` (started by serve itself)
+        f = sub.add_parser("frontend")
+        f.add_argument("--engine-socket", required=True)
+        add_flags(f, "serve")
     return p
 
 
@@ -88,7 +90,8 @@ def health(address: str, service: str, timeout: float, tls_ca: Optional[Path] = 
 def main(argv=None) -> None:
     from server.config import load_config
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(internal=argv[:1] == ["frontend"]).parse_args(argv)
     if args.command == "health":
         raise SystemExit(health(args.address, args.service, args.timeout, args.tls_ca,
                                 args.tls_cert, args.tls_key))

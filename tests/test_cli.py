@@ -361,6 +361,13 @@ def test_command_line_mistakes_get_one_line_errors_not_tracebacks(tmp_path, caps
             asyncio.run(listen())
     assert client(["--wait", "0.5", "--address", f"127.0.0.1:{_free_port()}", "q"]) == 2
     assert "did not answer SERVING within 0.5 s" in capsys.readouterr().err
+    # a typo is not offered the internal command serve --workers starts (outside QA re-probe)
+    from server.main import main as server
+
+    with pytest.raises(SystemExit):
+        server(["serv"])
+    said = capsys.readouterr().err
+    assert "invalid choice: 'serv'" in said and "frontend" not in said
 
 
 def _free_port() -> int:
