@@ -341,3 +341,13 @@ def test_admin_sees_its_own_tenant_and_only_operators_act_on_the_collection(mt_s
     for d in (own, listed):
         view = json.loads(d.descriptor_json)
         assert whole["chunks"] not in numbers(view) and whole["documents"] not in numbers(view), view
+        # nor file sizes, which count rows (outside QA: (bytes - 128) / 8 of rows.npy)
+        assert not view["shard_files"] and whole["shard_files"]
+    # the per-stage window counts every tenant's queries: an operator's view only (outside QA:
+    # a tenant admin watched another tenant's query count and latencies)
+    search(pb_grpc.SearchServiceStub(grpc.insecure_channel(mt_server.address)), "big",
+           text="flow", top_k=3)
+    for who, shown in (("acme-admin", False), ("operator", True)):
+        again = admin.CollectionStats(pb.CollectionStatsRequest(collection="mt"),
+                                      metadata=as_(who), timeout=10)
+        assert bool(again.stages) == shown, who

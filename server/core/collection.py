@@ -31,6 +31,15 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 DESCRIPTOR = "release.json"
 
 
+def _audit_for_tenant(audit: dict) -> dict:
+    """An audit without the collection's sizes: its per-tenant counts, and a reconciliation's
+    mismatches (they quote counts) - its verdict stays."""
+    out = {k: v for k, v in audit.items() if k != "tenants"}
+    if isinstance(out.get("reconciliation"), dict):
+        out["reconciliation"] = {k: v for k, v in out["reconciliation"].items() if k == "passed"}
+    return out
+
+
 @dataclass
 class ReleaseDescriptor:
     collection: str
@@ -73,10 +82,11 @@ class ReleaseDescriptor:
             self, tenants={tenant: own} if own else {},
             dedicated_tenants={s: [t for t in ts if t == tenant]
                                for s, ts in self.dedicated_tenants.items() if tenant in ts},
-            shard_counts={}, log_positions={},
+            # file sizes count rows too (outside QA: (bytes - 128) / 8 of rows.npy per shard)
+            shard_counts={}, log_positions={}, shard_files={},
             reconciliation=None if recon is None else {k: recon[k] for k in ("passed", "reconciled_at")
                                                        if k in recon},
-            audit=None if self.audit is None else {k: v for k, v in self.audit.items() if k != "tenants"},
+            audit=None if self.audit is None else _audit_for_tenant(self.audit),
             chunks=own, documents=0)
 
     @classmethod

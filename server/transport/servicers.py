@@ -139,11 +139,11 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
                                   digest=operator and request.digest)
         out = pb.CollectionStatsResponse(
             collection=request.collection, documents=s["documents"], chunks=s["chunks"],
-            vectors=s["vectors"],
-            stages=[pb.StagePercentiles(stage=k, count=v["count"], p50_ms=v["p50_ms"],
-                                        p95_ms=v["p95_ms"], p99_ms=v["p99_ms"])
-                    for k, v in s["stages"].items()])
-        if operator:
+            vectors=s["vectors"])
+        if operator:  # the stage window counts every tenant's queries: operators only
+            out.stages.extend(pb.StagePercentiles(stage=k, count=v["count"], p50_ms=v["p50_ms"],
+                                                  p95_ms=v["p95_ms"], p99_ms=v["p99_ms"])
+                              for k, v in s["stages"].items())
             for info in s["shards"]:
                 for r in info.replicas or [info]:
                     out.replicas.add(shard=info.shard_no, replica=r.address or "local",
