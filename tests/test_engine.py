@@ -1099,3 +1099,53 @@ def test_a_panic_while_writing_fails_the_group_at_once_and_the_queue_goes_on():
         pool.shutdown()
     assert isinstance(first, IndexCorruptError) and "index out of bounds" in str(first)
     assert second == ["ok-b"]
+
+
+def test_bm25_statistics_count_only_the_documents_the_callers_scopes_read(tmp_path, rng):
+    """Outside QA: documents that need an ACL scope still counted in the BM25 statistics of
+    callers without it - 12 hidden documents holding a term halved a scope-less caller's score
+    for its own visible document, telling it how many restricted documents hold any word. The
+    statistics now count the documents the caller's scopes read (where the tenant has restricted
+    ones: others pay nothing)."""
+    from index_builder.corpus import Document
+    from server.core.collection import CollectionStore
+    from server.core.engine.index import ShardIndex
+    from server.core.types import ShardQuery
+
+    docs = [Document("vis", "secretterm common words of a visible report", tenant="acme")]
+    docs += [Document(f"hid{i}", "secretterm other words of a hidden report", tenant="acme",
+                      acl=("hr",)) for i in range(12)]
+    docs += [Document(f"pub{i}", f"plain common words number {i}", tenant="acme") for i in range(6)]
+    x = rng.standard_normal((len(docs), 8)).astype(np.float32)
+    desc = publish_build(tmp_path, "acl", docs, None, vectors=x, model_id="m")
+    index = ShardIndex(desc, CollectionStore(tmp_path).build_dir("acl", desc.build_id),
+                       tmp_path / ".state", 0, None, 0)
+
+    def stats(scopes):
+        q = ShardQuery(desc.build_id, "acme", None, "m", "secretterm", 0, 10, acl_scopes=scopes,
+                       stats_only=True)
+        return index.term_stats([q])[0].term_stats
+
+    def bm25(scopes):
+        q = ShardQuery(desc.build_id, "acme", None, "m", "secretterm", 0, 10, acl_scopes=scopes)
+        return [(c.record.doc_id, c.score) for c in index.search_group([q])[0].lexical]
+
+    try:
+        blind, seeing = stats(()), stats(("hr",))
+        assert (blind.docs, blind.df[0][1]) == (7, 1)      # the visible document, and the public ones
+        assert (seeing.docs, seeing.df[0][1]) == (19, 13)  # the hr scope reads the hidden ones too
+        shown = bm25(())
+        assert [d for d, _ in shown] == ["vis"]
+        # scored on what the caller reads: the same score as with no hidden document at all
+        hidden_free = publish_build(tmp_path / "free", "acl", [d for d in docs if not d.acl], None,
+                                    vectors=x[[0, *range(13, len(docs))]], model_id="m")
+        free = ShardIndex(hidden_free, CollectionStore(tmp_path / "free").build_dir(
+            "acl", hidden_free.build_id), tmp_path / "free" / ".state", 0, None, 0)
+        try:
+            q = ShardQuery(hidden_free.build_id, "acme", None, "m", "secretterm", 0, 10)
+            alone = free.search_group([q])[0].lexical[0].score
+        finally:
+            free.close()
+        assert shown[0][1] == pytest.approx(alone, rel=0.05)  # field lengths stay the index's
+    finally:
+        index.close()

@@ -290,8 +290,8 @@ class LexicalIndex:
                     self._docs = docs
         return _Snapshot(searcher, generation, *docs)
 
-    def _scoped_stats(self, snap: _Snapshot, tenant: Optional[str],
-                      terms: Sequence[str]) -> Optional[TermStats]:
+    def _scoped_stats(self, snap: _Snapshot, tenant: Optional[str], terms: Sequence[str],
+                      readable: Optional[Sequence[str]] = None) -> Optional[TermStats]:
         """The statistics BM25 should score a tenant's query with where the index holds other
         tenants' documents: its own live documents only. tantivy's count every tenant's
         documents (and deleted ones until a merge), so one tenant's documents would move
@@ -299,15 +299,22 @@ class LexicalIndex:
         caller's tenant alone: it pays no count query (its deleted documents still count until
         a merge, as in tantivy: counting them out on every query after every write would cost a
         large index a posting walk per term). Counted with count queries (live documents only),
-        cached per index version; an index of only another tenant's counts none of the caller's."""
-        if tenant is None or (snap.tenants == 1 and snap.only == tenant):
+        cached per index version; an index of only another tenant's counts none of the caller's.
+        `readable` (the caller's ACL scopes, given when the tenant has documents that need a
+        scope): only the documents those scopes read count - restricted documents moved the
+        scores of callers who cannot see them, and told them how many hold a term."""
+        if tenant is None or (snap.tenants == 1 and snap.only == tenant and readable is None):
             return None
         Q, Must = tantivy.Query, tantivy.Occur.Must
         own = Q.term_query(self.schema, "tenant", tenant)
+        scopes = tuple(sorted(set(readable))) if readable is not None else None
+        if scopes is not None:
+            own = Q.boolean_query([(Must, own),
+                                   (Must, Q.term_set_query(self.schema, "acl", list(scopes)))])
         cache = self._scoped
 
         def count(field: Optional[str], term: Optional[str]) -> int:
-            key = (snap.generation, tenant, field, term)
+            key = (snap.generation, tenant, scopes, field, term)
             n = cache.get(key)
             if n is None:
                 q = own if field is None else Q.boolean_query(
@@ -323,13 +330,15 @@ class LexicalIndex:
     SCOPED_CACHE = 100_000  # cached tenant-scoped counts (cleared on reload, or when full)
 
     def term_stats(self, text: str, expansion: Sequence[tuple[str, float]] = (),
-                   tenant: Optional[str] = None) -> TermStats:
+                   tenant: Optional[str] = None,
+                   readable: Optional[Sequence[str]] = None) -> TermStats:
         """This index's BM25 statistics for a query's terms (and its expansion terms): the
         documents counted and, per term, how many hold it in the text and in the title - the
-        tenant's live documents when they differ from the index's (see _scoped_stats)."""
+        tenant's live documents (those `readable` scopes read, when given) when they differ from
+        the index's (see _scoped_stats)."""
         snap = self._snapshot(count=True)
         terms = list(self.query_terms(text)) + [t for t, _ in expansion]
-        scoped = self._scoped_stats(snap, tenant, terms)
+        scoped = self._scoped_stats(snap, tenant, terms, readable)
         if scoped is not None:
             return scoped
         searcher = snap.searcher
@@ -377,7 +386,8 @@ class LexicalIndex:
                acl_scopes: Optional[Sequence[str]] = None,
                rows: Optional[Sequence[int]] = None,
                expansion: Sequence[tuple[str, float]] = (),
-               stats: Optional[TermStats] = None) -> tuple[list[float], list[int]]:
+               stats: Optional[TermStats] = None,
+               readable: Optional[Sequence[str]] = None) -> tuple[list[float], list[int]]:
         """BM25 top-k (scores, rows), best first, restricted inside the query to the tenant, the
         ACL scopes (None: no ACL check), metadata equality filters and, if given, a row set.
         `expansion`: analysed terms with boosts added to the query (lexical feedback). `stats`:
@@ -396,7 +406,7 @@ class LexicalIndex:
         weighted = [(t, 1.0 + math.log(n)) for t, n in terms.items()]
         weighted += [(t, float(w)) for t, w in expansion if t not in terms]
         if stats is None:  # one shard: the tenant's own live statistics where they differ
-            stats = self._scoped_stats(snap, tenant, [t for t, _ in weighted])
+            stats = self._scoped_stats(snap, tenant, [t for t, _ in weighted], readable)
         shared = {} if stats is None else {t: (text_df, title_df) for t, text_df, title_df in stats.df}
         Q, Occur = tantivy.Query, tantivy.Occur
         should = []

@@ -393,6 +393,13 @@ class ShardIndex:
         return found
 
     # --- search ------------------------------------------------------------------------------
+    def _readable(self, q: ShardQuery) -> Optional[tuple[str, ...]]:
+        """The scopes BM25's statistics count for this caller: given only where the tenant has
+        documents that need a scope (else every document of the tenant counts, at no cost)."""
+        if not self.acl_restricted.get(q.tenant):
+            return None
+        return tuple(sorted(set(q.acl_scopes) | {PUBLIC_ACL}))
+
     def check_query(self, q: ShardQuery) -> None:
         if q.build_id != self.desc.build_id:
             raise FailedPrecondition(f"shard {self.shard_no} serves build {self.desc.build_id}, "
@@ -407,7 +414,8 @@ class ShardIndex:
         for each query's terms, no search."""
         with self._rw.read():
             index_version, applied = self.index_version, self.applied_seq
-            stats = [self.lexical.term_stats(q.text, q.expansion, q.tenant) for q in queries]
+            stats = [self.lexical.term_stats(q.text, q.expansion, q.tenant, self._readable(q))
+                     for q in queries]
         return [ShardResult(self.shard_no, self.desc.corpus_version, [], [], 0.0, 0.0, index_version,
                             applied, len(queries), term_stats=s) for s in stats]
 
@@ -441,7 +449,7 @@ class ShardIndex:
                         dense[i] = f
                 dense_ms = (time.perf_counter() - t0) * 1e3
             lexical: list[list] = [[] for _ in range(n)]
-            term_stats = [self.lexical.term_stats(q.text, q.expansion, q.tenant)
+            term_stats = [self.lexical.term_stats(q.text, q.expansion, q.tenant, self._readable(q))
                           if q.stats_only else None for q in queries]
             with_text = [i for i, q in enumerate(queries) if q.text and not q.stats_only]
             if with_text:
@@ -454,11 +462,12 @@ class ShardIndex:
                 rows = allowed.rows.tolist() if by_rows and allowed is not None else None
 
                 row_ids = self.dense.row_ids
+                readable = self._readable(q0)
 
                 def bm25(i):
                     q = queries[i]
                     s, r = self.lexical.search(q.text, q.lexical_depth, q.tenant, equal, scopes, rows,
-                                               q.expansion, q.term_stats)
+                                               q.expansion, q.term_stats, readable)
                     # equal scores in chunk-id order, not in the order of segments (which differ
                     # between replicas that applied the same writes in other groups)
                     return sorted(zip(r, s), key=lambda h: (-h[1], int(row_ids[h[0]])))
