@@ -341,8 +341,11 @@ def test_admin_sees_its_own_tenant_and_only_operators_act_on_the_collection(mt_s
     for d in (own, listed):
         view = json.loads(d.descriptor_json)
         assert whole["chunks"] not in numbers(view) and whole["documents"] not in numbers(view), view
-        # nor file sizes, which count rows (outside QA: (bytes - 128) / 8 of rows.npy)
+        # nor file sizes, which count rows (outside QA: (bytes - 128) / 8 of rows.npy), nor
+        # the audit's sample size and timings (review: under 200 chunks, the sample is them all)
         assert not view["shard_files"] and whole["shard_files"]
+        assert "queries" in whole["audit"] and not {"queries", "ann_ms_per_query", "tuning"} & set(view["audit"])
+        assert view["audit"]["recall"] == whole["audit"]["recall"]
     # the per-stage window counts every tenant's queries: an operator's view only (outside QA:
     # a tenant admin watched another tenant's query count and latencies)
     search(pb_grpc.SearchServiceStub(grpc.insecure_channel(mt_server.address)), "big",

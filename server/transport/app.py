@@ -219,8 +219,8 @@ async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: 
                         metrics_port: Optional[int], ready_message: bool = True,
                         setup=None, tls: Optional[TLSConfig] = None,
                         background: tuple = (), grace: float = 5.0, reuse_port: bool = False) -> None:
-    """`background`: coroutines run for the server's life (alias watching, scheduled compaction,
-    a router's build following)."""
+    """`background`: coroutines, or coroutine functions, run for the server's life (alias
+    watching, scheduled compaction, a router's build following)."""
     note = start_metrics(host, metrics_port)
     if setup is not None:  # e.g. connecting a router to its shard replicas, inside the loop
         await setup()
@@ -228,7 +228,10 @@ async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: 
     running = await start_server(core, auth, host, port, tls, reuse_port)
     if ready_message:
         print(f"search-server listening on {host}:{running.port}{note}{loop_note()}", flush=True)
-    tasks = [asyncio.get_running_loop().create_task(c) for c in tuple(background) + tuple(core.background())]
+    # a coroutine function is called here: a server that fails before this point leaves no
+    # coroutine never awaited
+    tasks = [asyncio.get_running_loop().create_task(c() if callable(c) else c)
+             for c in tuple(background) + tuple(core.background())]
     try:
         await wait_for_signal_then_stop(running, grace)
     finally:

@@ -17,7 +17,6 @@ drains.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import os
@@ -506,15 +505,12 @@ def run_frontend(cfg: ServerConfig, device, engine_socket: str) -> None:
         async def announce_ready():  # runs once the port is served
             await core.engine.call("ready")
 
-        ready = announce_ready()
-        try:
-            await app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
-                                    cfg.listen.metrics_port, ready_message=False, tls=tls,
-                                    grace=cfg.listen.shutdown_grace_s, reuse_port=True,
-                                    background=(ready,))
-        finally:  # never started (the port was refused): no "never awaited" warning
-            if inspect.getcoroutinestate(ready) == inspect.CORO_CREATED:
-                ready.close()
+        # the function, not a coroutine: a front end refused its port made none to leave
+        # never awaited
+        await app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
+                                cfg.listen.metrics_port, ready_message=False, tls=tls,
+                                grace=cfg.listen.shutdown_grace_s, reuse_port=True,
+                                background=(announce_ready,))
         await core.engine.close()
         if core.engine.lost:
             raise SystemExit(3)  # the engine went away: not a clean stop
