@@ -1134,6 +1134,17 @@ def test_bm25_statistics_count_only_the_documents_the_callers_scopes_read(tmp_pa
         blind, seeing = stats(()), stats(("hr",))
         assert (blind.docs, blind.df[0][1]) == (7, 1)      # the visible document, and the public ones
         assert (seeing.docs, seeing.df[0][1]) == (19, 13)  # the hr scope reads the hidden ones too
+        # a chunk of a scope written since (a name the build did not have) is counted out too
+        from server.core.chunking import document_chunks
+        from server.core.types import ShardWrite
+
+        chunks = tuple(document_chunks("", "secretterm legal words of another report"))
+        index.apply_writes([ShardWrite("upsert", "acme", "legal1", 1,
+                                       {"title": "", "text": chunks[0].text, "acl": ["legal"]},
+                                       chunks, rng.standard_normal((1, 8)).astype(np.float32))])
+        assert (stats(()).docs, stats(()).df[0][1]) == (7, 1)
+        assert (stats(("hr",)).docs, stats(("hr",)).df[0][1]) == (19, 13)
+        assert (stats(("hr", "legal")).docs, stats(("hr", "legal")).df[0][1]) == (20, 14)
         shown = bm25(())
         assert [d for d, _ in shown] == ["vis"]
         # scored on what the caller reads: the same score as with no hidden document at all

@@ -470,6 +470,15 @@ class DocStore:
             "SELECT tenant, count(*) FROM chunks WHERE live=1 AND acl != ? GROUP BY tenant",
             (PUBLIC_ACL_JSON,)).fetchall())
 
+    def restricted_acl_scopes(self) -> dict[str, set[str]]:
+        """Per tenant, the scope names its live restricted rows carry."""
+        out: dict[str, set[str]] = {}
+        for tenant, acl in self._conn().execute(
+                "SELECT DISTINCT tenant, acl FROM chunks WHERE live=1 AND acl != ?",
+                (PUBLIC_ACL_JSON,)):
+            out.setdefault(tenant, set()).update(a for a in json.loads(acl) if a != PUBLIC_ACL)
+        return out
+
     def allowed_mask(self, nrows: int, tenant: Optional[str], filters: Sequence = (),
                      acl_scopes: Optional[Sequence[str]] = None, live_only: bool = True,
                      first_row: int = 0) -> np.ndarray:

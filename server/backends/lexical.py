@@ -291,7 +291,8 @@ class LexicalIndex:
         return _Snapshot(searcher, generation, *docs)
 
     def _scoped_stats(self, snap: _Snapshot, tenant: Optional[str], terms: Sequence[str],
-                      readable: Optional[Sequence[str]] = None) -> Optional[TermStats]:
+                      hidden: Optional[tuple[tuple[str, ...], tuple[str, ...]]] = None
+                      ) -> Optional[TermStats]:
         """The statistics BM25 should score a tenant's query with where the index holds other
         tenants' documents: its own live documents only. tantivy's count every tenant's
         documents (and deleted ones until a merge), so one tenant's documents would move
@@ -300,45 +301,57 @@ class LexicalIndex:
         a merge, as in tantivy: counting them out on every query after every write would cost a
         large index a posting walk per term). Counted with count queries (live documents only),
         cached per index version; an index of only another tenant's counts none of the caller's.
-        `readable` (the caller's ACL scopes, given when the tenant has documents that need a
-        scope): only the documents those scopes read count - restricted documents moved the
-        scores of callers who cannot see them, and told them how many hold a term."""
-        if tenant is None or (snap.tenants == 1 and snap.only == tenant and readable is None):
+        `hidden` = (the caller's scopes, the tenant's scope names the caller lacks), given when
+        some of the tenant's documents need a scope the caller does not hold: those documents
+        are counted out - they moved the scores of callers who cannot see them, and told them
+        how many hold a term. Counting them walks only the postings of those scope names."""
+        single = snap.tenants == 1 and snap.only == tenant
+        if tenant is None or (single and hidden is None):
             return None
-        Q, Must = tantivy.Query, tantivy.Occur.Must
+        Q, Must, MustNot = tantivy.Query, tantivy.Occur.Must, tantivy.Occur.MustNot
         own = Q.term_query(self.schema, "tenant", tenant)
-        scopes = tuple(sorted(set(readable))) if readable is not None else None
-        if scopes is not None:
-            own = Q.boolean_query([(Must, own),
-                                   (Must, Q.term_set_query(self.schema, "acl", list(scopes)))])
         cache = self._scoped
+        searcher = snap.searcher
 
-        def count(field: Optional[str], term: Optional[str]) -> int:
-            key = (snap.generation, tenant, scopes, field, term)
+        def count(scope: Optional[tuple], field: Optional[str], term: Optional[str]) -> int:
+            key = (snap.generation, tenant, scope, field, term)
             n = cache.get(key)
             if n is None:
-                q = own if field is None else Q.boolean_query(
-                    [(Must, Q.term_query(self.schema, field, term)), (Must, own)])
-                n = cache[key] = int(snap.searcher.search(q, 1, count=True).count)
+                clauses = [(Must, own)]
+                if scope is not None:  # documents of a scope the caller lacks, and of none it has
+                    clauses += [(Must, Q.term_set_query(self.schema, "acl", list(scope[1]))),
+                                (MustNot, Q.term_set_query(self.schema, "acl", list(scope[0])))]
+                if field is not None:
+                    clauses.append((Must, Q.term_query(self.schema, field, term)))
+                n = cache[key] = int(searcher.search(Q.boolean_query(clauses), 1, count=True).count)
                 if len(cache) > self.SCOPED_CACHE:
                     cache.clear()
             return n
 
-        return TermStats(count(None, None), tuple((t, count("text", t), count("title", t))
-                                                  for t in dict.fromkeys(terms)))
+        def base(field: Optional[str], term: Optional[str]) -> int:
+            if single:  # tantivy's own for an index of this tenant alone: no count walk
+                return snap.docs if field is None else searcher.doc_freq(field, term)
+            return count(None, field, term)
+
+        def visible(field: Optional[str], term: Optional[str]) -> int:
+            n = base(field, term)
+            return n if hidden is None else max(0, n - count(hidden, field, term))
+
+        return TermStats(visible(None, None), tuple((t, visible("text", t), visible("title", t))
+                                                    for t in dict.fromkeys(terms)))
 
     SCOPED_CACHE = 100_000  # cached tenant-scoped counts (cleared on reload, or when full)
 
     def term_stats(self, text: str, expansion: Sequence[tuple[str, float]] = (),
                    tenant: Optional[str] = None,
-                   readable: Optional[Sequence[str]] = None) -> TermStats:
+                   hidden: Optional[tuple[tuple[str, ...], tuple[str, ...]]] = None) -> TermStats:
         """This index's BM25 statistics for a query's terms (and its expansion terms): the
         documents counted and, per term, how many hold it in the text and in the title - the
-        tenant's live documents (those `readable` scopes read, when given) when they differ from
-        the index's (see _scoped_stats)."""
+        tenant's live documents (less those `hidden` from the caller, when given) when they differ
+        from the index's (see _scoped_stats)."""
         snap = self._snapshot(count=True)
         terms = list(self.query_terms(text)) + [t for t, _ in expansion]
-        scoped = self._scoped_stats(snap, tenant, terms, readable)
+        scoped = self._scoped_stats(snap, tenant, terms, hidden)
         if scoped is not None:
             return scoped
         searcher = snap.searcher
@@ -387,7 +400,8 @@ class LexicalIndex:
                rows: Optional[Sequence[int]] = None,
                expansion: Sequence[tuple[str, float]] = (),
                stats: Optional[TermStats] = None,
-               readable: Optional[Sequence[str]] = None) -> tuple[list[float], list[int]]:
+               hidden: Optional[tuple[tuple[str, ...], tuple[str, ...]]] = None
+               ) -> tuple[list[float], list[int]]:
         """BM25 top-k (scores, rows), best first, restricted inside the query to the tenant, the
         ACL scopes (None: no ACL check), metadata equality filters and, if given, a row set.
         `expansion`: analysed terms with boosts added to the query (lexical feedback). `stats`:
@@ -406,7 +420,7 @@ class LexicalIndex:
         weighted = [(t, 1.0 + math.log(n)) for t, n in terms.items()]
         weighted += [(t, float(w)) for t, w in expansion if t not in terms]
         if stats is None:  # one shard: the tenant's own live statistics where they differ
-            stats = self._scoped_stats(snap, tenant, [t for t, _ in weighted], readable)
+            stats = self._scoped_stats(snap, tenant, [t for t, _ in weighted], hidden)
         shared = {} if stats is None else {t: (text_df, title_df) for t, text_df, title_df in stats.df}
         Q, Occur = tantivy.Query, tantivy.Occur
         should = []

@@ -251,6 +251,9 @@ class ShardIndex:
         self.tenant_counts = self.store.tenants()
         self.doc_counts = self.store.documents_per_tenant()
         self.acl_restricted = self.store.restricted_acl_rows()
+        # per tenant, the scope names its restricted chunks carry (grows with writes; a name no
+        # chunk carries any more costs a count that finds nothing, until a reload)
+        self.acl_scopes = self.store.restricted_acl_scopes()
         self.states = self.store.row_states()
         self.index_version = self.store.index_version()
         # a compacted build includes the write log up to where its snapshot was taken
@@ -393,12 +396,15 @@ class ShardIndex:
         return found
 
     # --- search ------------------------------------------------------------------------------
-    def _readable(self, q: ShardQuery) -> Optional[tuple[str, ...]]:
-        """The scopes BM25's statistics count for this caller: given only where the tenant has
-        documents that need a scope (else every document of the tenant counts, at no cost)."""
+    def _hidden(self, q: ShardQuery) -> Optional[tuple[tuple[str, ...], tuple[str, ...]]]:
+        """(the caller's scopes, its tenant's scope names it lacks) when some of the tenant's
+        chunks need a scope the caller does not hold: BM25's statistics count those out. None
+        otherwise - every chunk of the tenant counts, at no cost."""
         if not self.acl_restricted.get(q.tenant):
             return None
-        return tuple(sorted(set(q.acl_scopes) | {PUBLIC_ACL}))
+        caller = set(q.acl_scopes) | {PUBLIC_ACL}
+        lacking = self.acl_scopes.get(q.tenant, set()) - caller
+        return (tuple(sorted(caller)), tuple(sorted(lacking))) if lacking else None
 
     def check_query(self, q: ShardQuery) -> None:
         if q.build_id != self.desc.build_id:
@@ -414,7 +420,7 @@ class ShardIndex:
         for each query's terms, no search."""
         with self._rw.read():
             index_version, applied = self.index_version, self.applied_seq
-            stats = [self.lexical.term_stats(q.text, q.expansion, q.tenant, self._readable(q))
+            stats = [self.lexical.term_stats(q.text, q.expansion, q.tenant, self._hidden(q))
                      for q in queries]
         return [ShardResult(self.shard_no, self.desc.corpus_version, [], [], 0.0, 0.0, index_version,
                             applied, len(queries), term_stats=s) for s in stats]
@@ -449,7 +455,7 @@ class ShardIndex:
                         dense[i] = f
                 dense_ms = (time.perf_counter() - t0) * 1e3
             lexical: list[list] = [[] for _ in range(n)]
-            term_stats = [self.lexical.term_stats(q.text, q.expansion, q.tenant, self._readable(q))
+            term_stats = [self.lexical.term_stats(q.text, q.expansion, q.tenant, self._hidden(q))
                           if q.stats_only else None for q in queries]
             with_text = [i for i, q in enumerate(queries) if q.text and not q.stats_only]
             if with_text:
@@ -462,12 +468,12 @@ class ShardIndex:
                 rows = allowed.rows.tolist() if by_rows and allowed is not None else None
 
                 row_ids = self.dense.row_ids
-                readable = self._readable(q0)
+                hidden = self._hidden(q0)
 
                 def bm25(i):
                     q = queries[i]
                     s, r = self.lexical.search(q.text, q.lexical_depth, q.tenant, equal, scopes, rows,
-                                               q.expansion, q.term_stats, readable)
+                                               q.expansion, q.term_stats, hidden)
                     # equal scores in chunk-id order, not in the order of segments (which differ
                     # between replicas that applied the same writes in other groups)
                     return sorted(zip(r, s), key=lambda h: (-h[1], int(row_ids[h[0]])))
@@ -628,6 +634,10 @@ class ShardIndex:
                 restricted = (sum(1 for r in e.new_rows if by_row[r].acl != (PUBLIC_ACL,))
                               - sum(1 for _, public in dead if not public))
                 self.acl_restricted[t] = self.acl_restricted.get(t, 0) + restricted
+                for r in e.new_rows:
+                    if by_row[r].acl != (PUBLIC_ACL,):
+                        self.acl_scopes.setdefault(t, set()).update(
+                            a for a in by_row[r].acl if a != PUBLIC_ACL)
                 self.states["live"] += len(e.new_rows) - len(rows)
                 self.states["pending"] -= len(e.new_rows)
                 self.states["dead"] += len(rows)
