@@ -52,6 +52,13 @@ def is_panic(exc: BaseException) -> bool:
     return type(exc).__name__ == "PanicException"
 
 
+def panic_as_corruption(exc: BaseException, what: str) -> IndexCorruptError:
+    """A panic of the BM25 library (`is_panic`) as the error its callers get at once: `what`
+    failed on a damaged file."""
+    return IndexCorruptError(f"{what} failed ({exc}): it is damaged; restore the state directory "
+                             "or rebuild")
+
+
 class CorpusVersionMismatch(SearchError):
     """Dense and lexical candidates came from different corpus versions (never fused)."""
 

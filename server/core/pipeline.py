@@ -211,16 +211,7 @@ class QueryPipeline:
             if st.live and st.shard_errors and (  # the failed shards' time is spent): answer now
                     self._wants_dense_feedback(st) or self._wants_expansion(st)):
                 st.notes.append("feedback skipped: the first round was partial")
-        feedback = [st for st in states
-                    if st.live and not st.shard_errors and self._wants_dense_feedback(st)]
-        if feedback:
-            await self._dense_feedback(feedback, tenant, acl_scopes, deadline)
-            t = self._lap(feedback, "feedback", t)
-        expand = [st for st in states
-                  if st.live and not st.shard_errors and self._wants_expansion(st)]
-        if expand:
-            await self._lexical_feedback(expand, tenant, acl_scopes, deadline)
-            t = self._lap(expand, "lexical_feedback", t)
+        await self._feedback_rounds(states, tenant, acl_scopes, deadline, t)
         await gather([self._finish(st, tenant, acl_scopes, deadline) for st in states if st.live])
         total = (time.perf_counter() - t_start) * 1e3
         out = []
@@ -234,6 +225,23 @@ class QueryPipeline:
             metrics.RECENT.observe("total", st.result.timings["total"] / 1e3)
             out.append(st.result)
         return out
+
+    async def _feedback_rounds(self, states: list[_Query], tenant: str, acl_scopes: tuple,
+                               deadline: Optional[float], t: Optional[float] = None) -> None:
+        """The feedback rounds of the queries that want them and whose first round was whole:
+        dense feedback, then RM3 expansion; each round timed as a stage when `t` is given."""
+        feedback = [st for st in states
+                    if st.live and not st.shard_errors and self._wants_dense_feedback(st)]
+        if feedback:
+            await self._dense_feedback(feedback, tenant, acl_scopes, deadline)
+            if t is not None:
+                t = self._lap(feedback, "feedback", t)
+        expand = [st for st in states
+                  if st.live and not st.shard_errors and self._wants_expansion(st)]
+        if expand:
+            await self._lexical_feedback(expand, tenant, acl_scopes, deadline)
+            if t is not None:
+                self._lap(expand, "lexical_feedback", t)
 
     # --- stages ------------------------------------------------------------------------------
     def _prepare(self, st: _Query, tenant: str, acl_scopes: tuple) -> None:
@@ -772,10 +780,8 @@ class QueryPipeline:
             st.notes.append(f"deeper retrieval skipped ({why}): the page may be short")
             return False
         self._fuse(st)
-        if self._wants_dense_feedback(st):
-            await self._dense_feedback([st], tenant, acl_scopes, deadline)
-        if self._wants_expansion(st):  # the same first hits: the same expansion, searched deeper
-            await self._lexical_feedback([st], tenant, acl_scopes, deadline)
+        # the same first hits: the same feedback, searched deeper
+        await self._feedback_rounds([st], tenant, acl_scopes, deadline)
         st.notes[:] = dict.fromkeys(st.notes)  # the feedback rounds' notes once, not per round
         st.notes.append(f"retrieved {max(st.sq.dense_depth, st.sq.lexical_depth)} deep: "
                         f"duplicates or the token budget left the page short")

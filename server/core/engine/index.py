@@ -52,7 +52,8 @@ from server.core.engine.state import lock_state, prepare, state_shard_dir
 from server.core.rwlock import RWLock
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
                                ShardWrite, WriteOutcome)
-from server.errors import FailedPrecondition, IndexCorruptError, ModelMismatch, is_panic
+from server.errors import (FailedPrecondition, IndexCorruptError, ModelMismatch, is_panic,
+                           panic_as_corruption)
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +142,8 @@ def _panics_as_corruption(method):
                 raise
             log.error("shard %d: the BM25 index in %s panicked: %s", self.shard_no,
                       self.lexical.directory, exc)
-            raise IndexCorruptError(f"the BM25 index in {self.lexical.directory} failed to read "
-                                    f"({exc}): it is damaged; restore the state directory or "
-                                    "rebuild") from None
+            raise panic_as_corruption(exc, f"reading the BM25 index in {self.lexical.directory}"
+                                      ) from None
     return guarded
 
 
@@ -631,13 +631,11 @@ class ShardIndex:
                 self.live[e.new_rows] = True
                 t = e.tenant
                 self.tenant_counts[t] = self.tenant_counts.get(t, 0) + len(e.new_rows) - len(rows)
-                restricted = (sum(1 for r in e.new_rows if by_row[r].acl != (PUBLIC_ACL,))
-                              - sum(1 for _, public in dead if not public))
-                self.acl_restricted[t] = self.acl_restricted.get(t, 0) + restricted
-                for r in e.new_rows:
-                    if by_row[r].acl != (PUBLIC_ACL,):
-                        self.acl_scopes.setdefault(t, set()).update(
-                            a for a in by_row[r].acl if a != PUBLIC_ACL)
+                restricted = [by_row[r].acl for r in e.new_rows if by_row[r].acl != (PUBLIC_ACL,)]
+                self.acl_restricted[t] = (self.acl_restricted.get(t, 0) + len(restricted)
+                                          - sum(1 for _, public in dead if not public))
+                for acl in restricted:
+                    self.acl_scopes.setdefault(t, set()).update(a for a in acl if a != PUBLIC_ACL)
                 self.states["live"] += len(e.new_rows) - len(rows)
                 self.states["pending"] -= len(e.new_rows)
                 self.states["dead"] += len(rows)

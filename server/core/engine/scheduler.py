@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from server.core import metrics
 from server.core.types import ShardQuery, ShardResult, ShardWrite, WriteOutcome
-from server.errors import DeadlineExceeded, IndexCorruptError, Unavailable, is_panic
+from server.errors import DeadlineExceeded, Unavailable, is_panic, panic_as_corruption
 
 
 @dataclass
@@ -300,8 +300,7 @@ class WriteQueue:
                     if not (isinstance(exc, Exception) or is_panic(exc)):
                         raise  # cancellation, exit: not the writes' answer
                     if is_panic(exc):  # tantivy's, on a damaged file: the writers hear at once
-                        exc = IndexCorruptError(f"a write group failed in the BM25 index ({exc}): "
-                                                "it is damaged; restore the state or rebuild")
+                        exc = panic_as_corruption(exc, "a write group in the BM25 index")
                     for p in group:
                         p.future.set_exception(exc)
                     continue
