@@ -5,9 +5,10 @@ GPU machine is at hand, and record what it prints in docs/BENCHMARKS.md.
 
 Sections (each through the product's own code, server/backends/device.py and friends):
 1. environment: what torch, faiss and onnxruntime see;
-2. faiss on the GPU per index type (Flat, IVF-Flat, IVF-PQ, HNSW -> CAGRA where faiss has cuVS):
-   placement, recall@10 against exact search, and batched QPS at batch 1/16/128/1024 against the
-   same index on the CPU;
+2. faiss on the GPU per index type (Flat, IVF-Flat, IVF-PQ, HNSW -> CAGRA where faiss has cuVS;
+   where faiss cannot search on the GPU - PyPI's wheel on Hopper - Flat through torch and the
+   others on the CPU): placement, recall@10 against exact search, and batched QPS at batch
+   1/16/128/1024 against the same index on the CPU;
 3. the shard engine on the GPU: a LocalShard whose index the Device placed, 256 concurrent
    single queries through its scheduler - mean batch size and QPS (batching on and off);
 4. the packaged MiniLM embedder on CUDA vs CPU (texts/s by batch size), and a cross-encoder of
@@ -45,6 +46,8 @@ def clustered(n: int, d: int, seed: int = 0) -> np.ndarray:
 
 REPEATS = 3                  # --repeats: timed runs per figure (after one warm-up)
 BATCHES = (1, 16, 128, 1024)  # --batches: query batch sizes timed per index
+FACTORIES = ("Flat", "IVF1024,Flat", "IVF1024,PQ64", "HNSW32,Flat")  # --factories
+ENGINE_FACTORY = "IVF1024,Flat"  # --engine-factory
 
 
 def timed(fn, repeats=None) -> float:
@@ -61,7 +64,9 @@ def environment() -> dict:
 
     from server.backends.device import Device
 
-    env = {"faiss": faiss.__version__, "faiss_gpus": Device("auto").faiss_gpus,
+    device = Device("auto")
+    env = {"faiss": faiss.__version__, "faiss_gpus": device.faiss_gpus,
+           "faiss_gpu_unusable": device.faiss_gpu_unusable,
            "faiss_has_cagra": hasattr(faiss, "GpuIndexCagra")}
     try:
         import torch
@@ -94,7 +99,7 @@ def faiss_paths(x: np.ndarray, q: np.ndarray, k: int = 10) -> list[dict]:
     rows = []
     rng = np.random.default_rng(1)
     knobs = SearchKnobs(nprobe=32, ef_search=64, k_factor=4)
-    for factory in ("Flat", "IVF1024,Flat", "IVF1024,PQ64", "HNSW32,Flat"):
+    for factory in FACTORIES:
         t0 = time.perf_counter()
         want = training_size(make_index(factory, x.shape[1], "ip"))
         sample = x[rng.choice(len(x), min(want, len(x)), replace=False)] if want else x[:0]
@@ -130,7 +135,7 @@ def engine_on_gpu(x: np.ndarray, q: np.ndarray) -> list[dict]:
     data = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     store = CollectionStore(data)
     desc = build_collection([Document(str(i), f"row {i}") for i in range(len(x))], store, "g", None,
-                            "IVF1024,Flat", quiet=True, vectors=x, model_id="gpu-check@1")
+                            ENGINE_FACTORY, quiet=True, vectors=x, model_id="gpu-check@1")
     out = []
     for batching in (True, False):
         pools = EnginePools.create()
@@ -147,7 +152,7 @@ def engine_on_gpu(x: np.ndarray, q: np.ndarray) -> list[dict]:
 
         elapsed = asyncio.run(go())
         sched = shard.scheduler
-        row = {"batching": batching, "placement": shard.index.dense.placement, "queries": 256,
+        row = {"factory": ENGINE_FACTORY, "batching": batching, "placement": shard.index.dense.placement, "queries": 256,
                "qps": 256 / elapsed, "mean_batch": sched.queries / max(1, sched.batches)}
         out.append(row)
         print(f"  engine batching {'on ' if batching else 'off'}: {row['placement']}, "
@@ -191,6 +196,7 @@ def models_on_gpu() -> list[dict]:
 
 
 def main(argv=None) -> int:
+    global DEVICE, REPEATS, BATCHES, FACTORIES, ENGINE_FACTORY
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vectors", default=None, help="(N, d) .npy; default: synthetic clustered")
     ap.add_argument("--n", type=int, default=200_000)
@@ -202,8 +208,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per figure")
     ap.add_argument("--batches", default="1,16,128,1024",
                     help="query batch sizes timed per index (comma list, each <= 1024)")
+    ap.add_argument("--factories", default=";".join(FACTORIES),
+                    help="faiss section: index types (';'-separated factory strings)")
+    ap.add_argument("--engine-factory", default=ENGINE_FACTORY, help="engine section's index type")
     args = ap.parse_args(argv)
-    global DEVICE, REPEATS, BATCHES
+    FACTORIES = tuple(args.factories.split(";"))
+    ENGINE_FACTORY = args.engine_factory
     REPEATS = args.repeats
     BATCHES = tuple(int(b) for b in args.batches.split(","))
     report = {"environment": environment()}

@@ -114,17 +114,23 @@ def test_factory_strings_are_validated():
         make_index("Flat", DIM, "cosine")
 
 
+def _gpu_visible() -> bool:
+    from server.backends.gpu_exact import torch_gpu_count
+
+    return bool(torch_gpu_count() or (faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0))
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(faiss.get_num_gpus() == 0 if hasattr(faiss, "get_num_gpus") else True,
-                    reason="no GPU visible to faiss")
+@pytest.mark.skipif(not _gpu_visible(), reason="no GPU visible to faiss or torch")
 def test_gpu_flat_matches_cpu(data):
+    """On faiss's GPU index where faiss can search there, else through torch (gpu_exact.py)."""
     from server.backends.device import Device
 
     x, q, gt = data
     idx = build("Flat", x)
     gpu, where = Device("cuda").place_index(idx.index, 0)
     assert where.startswith("cuda")
-    _, rows = DenseIndex(gpu, idx.row_ids, "ip", placement=where).search(q, K)
+    _, rows = DenseIndex(gpu, idx.row_ids, "ip", placement=where, cpu_index=idx.cpu_index).search(q, K)
     assert recall(rows, gt) >= 0.999
 
 
@@ -313,3 +319,82 @@ def test_exact_l2_scores_of_near_duplicates_away_from_the_origin_match_float64()
         want = np.argsort(((y.astype(np.float64) - qq) ** 2).sum(1), kind="stable")[:5]
         got = exact_search(y, np.arange(500, dtype=np.int64), qq[None], 5, "l2")[0]
         assert set(got[1]) == set(want.tolist()), seed
+
+
+def _torch_devices():
+    import torch
+
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("where", _torch_devices())
+def test_torch_exact_index_answers_as_faiss_flat_does(metric, where, data):
+    """The GPU path for hosts whose faiss cannot search on the GPU (server/backends/gpu_exact.py),
+    run on torch's CPU device in CI and on CUDA where torch sees it: the same rows and distances
+    as faiss's Flat index, through DenseIndex's device branch, sliced or not, and after adds (the
+    buffer grows past its first capacity)."""
+    from server.backends.gpu_exact import TorchExactIndex
+
+    x, q, _ = data
+    x = x * np.float32(3.0) + np.float32(0.5)  # away from the origin: L2 terms that do not cancel
+    cpu = build_dense("Flat", DIM, metric, lambda: x[:5000], x[:0], np.arange(5000, dtype=np.int64) * 3)
+    tq = TorchExactIndex.from_faiss(cpu.cpu_index, where)
+    sliced = TorchExactIndex.from_faiss(cpu.cpu_index, where)
+    sliced._score_bytes = 4 * 5000 * 7  # 7 queries per slice: the last slice is partial
+    assert tq.ntotal == 5000 and tq.d == DIM
+    for dev in (tq, sliced):
+        dense = DenseIndex(dev, cpu.row_ids, metric, placement=f"{where} (torch exact)",
+                           cpu_index=cpu.cpu_index)
+        for k in (1, 10, 6000):  # a page deeper than the index is padded with -1
+            got_s, got_r = dense.search(q[:50], k)
+            want_s, want_r = dense.search(q[:50], k, on_cpu=True)
+            assert got_r.shape == want_r.shape == (50, min(k, 5000))
+            overlap = np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(got_r, want_r)])
+            assert overlap >= 0.999, overlap  # exact both: only float ties may swap
+            np.testing.assert_allclose(got_s, want_s, rtol=1e-4, atol=1e-3)
+    # streaming adds reach the device copy: the new rows are found as their own nearest
+    dense = DenseIndex(tq, cpu.row_ids, metric, placement=f"{where} (torch exact)", cpu_index=cpu.cpu_index)
+    dense.add(x[5000:7000], np.arange(5000, 7000, dtype=np.int64) * 3)
+    assert tq.ntotal == cpu.cpu_index.ntotal == 7000
+    _, rows = dense.search(x[6990:7000], 1)
+    if metric == "l2":
+        assert rows[:, 0].tolist() == list(range(6990, 7000))
+    got_s, got_r = dense.search(q[:20], 10)
+    want_s, want_r = dense.search(q[:20], 10, on_cpu=True)
+    np.testing.assert_allclose(got_s, want_s, rtol=1e-4, atol=1e-3)
+    assert np.mean(got_r == want_r) >= 0.99
+
+
+def test_torch_exact_index_refuses_what_it_cannot_search():
+    from server.backends.gpu_exact import TorchExactIndex
+
+    with pytest.raises(TypeError, match="not a Flat index"):
+        TorchExactIndex.from_faiss(faiss.IndexHNSWFlat(DIM, 8), "cpu")
+    tq = TorchExactIndex(np.zeros((0, DIM), np.float32), "ip", "cpu")
+    scores, rows = tq.search(np.ones((2, DIM), np.float32), 3)
+    assert (rows == -1).all() and np.isneginf(scores).all()
+    with pytest.raises(ValueError, match=r"\(n, 64\)"):
+        tq.add(np.ones((2, DIM + 1), np.float32))
+
+
+def test_a_faiss_that_aborts_on_the_gpu_is_caught_in_a_child_process(monkeypatch):
+    """PyPI's faiss-gpu-cu12 aborts the process at its first search on a Hopper GPU ('no kernel
+    image is available', seen on an H200). The probe runs that first search in a child: an abort
+    there is a verdict, and the Device keeps its indexes off faiss's GPU path."""
+    from server.backends import device as device_mod
+
+    if faiss.get_num_gpus() == 0:  # a CPU faiss: the probe has no GPU to fail on
+        assert device_mod.faiss_gpu_failure() is None
+    verdict = device_mod.faiss_gpu_failure("import os, sys; print('CUDA error 209', file=sys.stderr); os.abort()")
+    assert verdict.startswith("killed by SIGABRT") and "CUDA error 209" in verdict
+    assert device_mod.faiss_gpu_failure("raise SystemExit(3)").startswith("exit status 3")
+
+    monkeypatch.setattr(device_mod, "_faiss_gpu_count", lambda: 1)
+    monkeypatch.setattr(device_mod, "faiss_gpu_failure", lambda: "killed by SIGABRT: no kernel image")
+    dev = device_mod.Device("auto")
+    assert dev.faiss_gpus == 0 and "no kernel image" in dev.faiss_gpu_unusable
+    assert "faiss GPU unusable" in dev.describe()
+    index = faiss.IndexHNSWFlat(DIM, 8)
+    placed, where = dev.place_index(index, 0)
+    assert placed is index and where == "cpu"

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import Optional
 
 import faiss
+
+from .gpu_exact import place_flat_on_torch
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +28,47 @@ def _faiss_gpu_count() -> int:
         return int(get()) if get else 0
     except Exception:  # a CPU build without the symbol, or a driver error
         return 0
+
+
+# One exact search on each GPU faiss sees, in a child process: a faiss wheel without kernels for
+# the GPU's architecture (PyPI's faiss-gpu-cu12 has none for Hopper, sm_90) does not raise, it
+# aborts the whole process at the first GPU search ("no kernel image is available").
+_GPU_PROBE = """
+import faiss, numpy as np
+x = np.random.default_rng(0).random((64, 32), dtype=np.float32)
+for gpu in range(faiss.get_num_gpus()):
+    res = faiss.StandardGpuResources()
+    config = faiss.GpuIndexFlatConfig()
+    config.device = gpu
+    index = faiss.GpuIndexFlatL2(res, 32, config)
+    index.add(x)
+    _, ids = index.search(x[:4], 1)
+    assert ids[:, 0].tolist() == [0, 1, 2, 3], ids
+print("ok")
+"""
+_probe_verdict: dict[str, Optional[str]] = {}
+_warned_unusable: list[bool] = []
+
+
+def faiss_gpu_failure(probe: str = _GPU_PROBE, timeout_s: float = 120.0) -> Optional[str]:
+    """None when faiss can search on every GPU it sees, else why not. Checked once per process
+    (a child process, so an abort inside faiss costs the probe, not the server)."""
+    if probe in _probe_verdict:
+        return _probe_verdict[probe]
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              timeout=timeout_s)
+        if done.returncode == 0 and done.stdout.strip().endswith("ok"):
+            verdict = None
+        else:
+            code = done.returncode
+            how = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}")
+            lines = [ln for ln in (done.stderr or done.stdout).strip().splitlines() if ln.strip()]
+            verdict = f"{how}: {lines[-1][-400:] if lines else 'no output'}"
+    except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+        verdict = f"{type(exc).__name__}: {exc}"
+    _probe_verdict[probe] = verdict
+    return verdict
 
 
 def _torch_cuda() -> bool:
@@ -41,6 +87,7 @@ class Device:
     prefer: str = "auto"
     faiss_gpus: int = field(init=False)
     torch_cuda: bool = field(init=False)
+    faiss_gpu_unusable: Optional[str] = field(init=False, default=None)  # why faiss_gpus is 0
     _resources: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +95,18 @@ class Device:
             raise ValueError(f"device must be auto, cpu or cuda, not {self.prefer!r}")
         use_gpu = self.prefer != "cpu"
         self.faiss_gpus = _faiss_gpu_count() if use_gpu else 0
+        if self.faiss_gpus:
+            self.faiss_gpu_unusable = faiss_gpu_failure()
+            if self.faiss_gpu_unusable:
+                if not _warned_unusable:
+                    _warned_unusable.append(True)  # once per process, not once per Device
+                    log.warning("faiss sees %d GPU(s) but cannot search on them (%s). Flat "
+                                "indexes search on the GPU through torch; IVF and HNSW stay on "
+                                "the CPU. A faiss built for this GPU's architecture places them "
+                                "too (PyPI's faiss-gpu-cu12 has no Hopper kernels; conda's "
+                                "faiss-gpu, or a build from source, has them)",
+                                self.faiss_gpus, self.faiss_gpu_unusable)
+                self.faiss_gpus = 0
         self.torch_cuda = _torch_cuda() if use_gpu else False
         if self.prefer == "cuda" and not (self.faiss_gpus or self.torch_cuda):
             raise RuntimeError("device=cuda was asked for, but neither faiss nor torch sees a GPU")
@@ -63,7 +122,8 @@ class Device:
         return ["CPUExecutionProvider"]
 
     def describe(self) -> str:
-        return f"faiss_gpus={self.faiss_gpus} torch={self.torch_device}"
+        unusable = f" (faiss GPU unusable: {self.faiss_gpu_unusable})" if self.faiss_gpu_unusable else ""
+        return f"faiss_gpus={self.faiss_gpus}{unusable} torch={self.torch_device}"
 
     def gpu_resources(self, gpu: int):
         """One faiss StandardGpuResources per GPU, shared by the shards placed on it (each one
@@ -80,8 +140,20 @@ class Device:
         (IVF-Flat, IVF-PQ) indexes are cloned to the GPU; an HNSW index becomes a CAGRA graph
         built on the GPU from the same vectors when faiss has cuVS (GpuIndexCagra). Fast-scan PQ
         and refine wrappers have no GPU version and stay on the CPU, logged. The caller keeps the
-        CPU index for searches with a selector (GPU indexes take none)."""
+        CPU index for searches with a selector (GPU indexes take none). Without a faiss that can
+        search on the GPU, a Flat index goes to the GPU through torch instead."""
         if self.faiss_gpus == 0:
+            # no faiss GPU (a CPU build, or one without kernels for this GPU): a Flat index can
+            # still search on the GPU through torch, exactly (server/backends/gpu_exact.py)
+            if self.torch_cuda:
+                try:
+                    placed = place_flat_on_torch(index, shard)
+                except Exception as exc:  # out of device memory, say: the CPU index serves
+                    log.warning("shard %d stays on CPU: torch could not hold its Flat index (%s)",
+                                shard, exc)
+                    placed = None
+                if placed:
+                    return placed
             return index, "cpu"
         gpu = shard % self.faiss_gpus
         inner = faiss.downcast_index(index)
