@@ -327,43 +327,78 @@ def _torch_devices():
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def _exact64(x, q, k, metric, allowed=None):
+    """Ground truth in float64: (scores, rows) with larger scores better, ties by row."""
+    x64, q64 = x.astype(np.float64), q.astype(np.float64)
+    if metric == "ip":
+        s = q64 @ x64.T
+    else:
+        s = -((q64[:, None, :] - x64[None, :, :]) ** 2).sum(axis=2)
+    if allowed is not None:
+        s[:, ~allowed] = -np.inf
+    rows = np.array([np.lexsort((np.arange(len(x)), -row))[:k] for row in s])
+    return np.take_along_axis(s, rows, 1), rows
+
+
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 @pytest.mark.parametrize("where", _torch_devices())
-def test_torch_exact_index_answers_as_faiss_flat_does(metric, where, data):
+def test_torch_exact_index_answers_exactly(metric, where, data):
     """The GPU path for hosts whose faiss cannot search on the GPU (server/backends/gpu_exact.py),
-    run on torch's CPU device in CI and on CUDA where torch sees it: the same rows and distances
-    as faiss's Flat index, through DenseIndex's device branch, sliced or not, and after adds (the
-    buffer grows past its first capacity)."""
+    on torch's CPU device in CI and on CUDA where torch sees it, through DenseIndex's device
+    branch: the float64 truth's rows and scores, for vectors far from the origin too (L2's
+    |q|^2 + |b|^2 - 2 q.b loses every digit there in float32), with the score matrix cut into
+    row blocks and query slices or not, restricted by a mask, and after streaming adds."""
     from server.backends.gpu_exact import TorchExactIndex
 
-    x, q, _ = data
-    x = x * np.float32(3.0) + np.float32(0.5)  # away from the origin: L2 terms that do not cancel
-    cpu = build_dense("Flat", DIM, metric, lambda: x[:5000], x[:0], np.arange(5000, dtype=np.int64) * 3)
-    tq = TorchExactIndex.from_faiss(cpu.cpu_index, where)
-    sliced = TorchExactIndex.from_faiss(cpu.cpu_index, where)
-    sliced._score_bytes = 4 * 5000 * 7  # 7 queries per slice: the last slice is partial
-    assert tq.ntotal == 5000 and tq.d == DIM
-    for dev in (tq, sliced):
-        dense = DenseIndex(dev, cpu.row_ids, metric, placement=f"{where} (torch exact)",
-                           cpu_index=cpu.cpu_index)
-        for k in (1, 10, 6000):  # a page deeper than the index is padded with -1
-            got_s, got_r = dense.search(q[:50], k)
-            want_s, want_r = dense.search(q[:50], k, on_cpu=True)
-            assert got_r.shape == want_r.shape == (50, min(k, 5000))
-            overlap = np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(got_r, want_r)])
-            assert overlap >= 0.999, overlap  # exact both: only float ties may swap
-            np.testing.assert_allclose(got_s, want_s, rtol=1e-4, atol=1e-3)
-    # streaming adds reach the device copy: the new rows are found as their own nearest
-    dense = DenseIndex(tq, cpu.row_ids, metric, placement=f"{where} (torch exact)", cpu_index=cpu.cpu_index)
-    dense.add(x[5000:7000], np.arange(5000, 7000, dtype=np.int64) * 3)
-    assert tq.ntotal == cpu.cpu_index.ntotal == 7000
-    _, rows = dense.search(x[6990:7000], 1)
+    x0, q0, _ = data
+    rng = np.random.default_rng(5)
+    for offset in (0.0, 1000.0):
+        x = (x0[:3000] * np.float32(3.0) + np.float32(offset)).astype(np.float32)
+        q = (x[rng.choice(3000, 40, replace=False)] + 0.01 * rng.standard_normal((40, DIM))).astype(np.float32)
+        cpu = build_dense("Flat", DIM, metric, lambda: x, x[:0], np.arange(3000, dtype=np.int64) * 3)
+        whole = TorchExactIndex.from_faiss(cpu.cpu_index, where)
+        cut = TorchExactIndex(x, metric, where, score_bytes=4 * 40 * 700)  # 700-row blocks, 5 per pass
+        allowed = rng.random(3000) < 0.3
+        for dev in (whole, cut):
+            dense = DenseIndex(dev, cpu.row_ids, metric, placement=f"{where} (torch exact)",
+                               cpu_index=cpu.cpu_index)
+            for k, mask in ((10, None), (100, None), (10, allowed)):
+                want_s, want_r = _exact64(x, q, k, metric, mask)
+                got_s, got_r = dense.search(q, k, RowFilter(mask) if mask is not None else None)
+                assert (got_r == want_r).mean() >= 0.999, (offset, k)  # row for row, ties by row
+                np.testing.assert_allclose(got_s, want_s, rtol=1e-5, atol=1e-4 * max(1.0, offset))
+    # a query's answer does not depend on the batch it rides in, to the last bit
+    alone = [dense.search(q[i:i + 1], 10) for i in range(5)]
+    batch_s, batch_r = dense.search(q, 10)
+    for i, (s1, r1) in enumerate(alone):
+        assert (r1[0] == batch_r[i]).all() and (s1[0] == batch_s[i]).all()
+    # a mask made before rows were added never lets the new rows through
+    rf = RowFilter(np.ones(3000, bool))
+    dense.add(x[:50] + np.float32(0.001), np.arange(3000, 3050, dtype=np.int64) * 3)
+    assert cut.ntotal == cpu.cpu_index.ntotal == 3050
+    _, rows = dense.search(x[:50], 1, rf)
+    assert (rows < 3000).all()
+    grown = np.vstack([x, x[:50] + np.float32(0.001)])
+    want_s, want_r = _exact64(grown, q, 10, metric)
+    got_s, got_r = dense.search(q, 10)
+    assert (got_r == want_r).mean() >= 0.999  # the added rows are searched on the device
+    np.testing.assert_allclose(got_s, want_s, rtol=1e-5, atol=0.1)
     if metric == "l2":
-        assert rows[:, 0].tolist() == list(range(6990, 7000))
-    got_s, got_r = dense.search(q[:20], 10)
-    want_s, want_r = dense.search(q[:20], 10, on_cpu=True)
-    np.testing.assert_allclose(got_s, want_s, rtol=1e-4, atol=1e-3)
-    assert np.mean(got_r == want_r) >= 0.99
+        _, rows = dense.search(x[:50] + np.float32(0.001), 1)
+        assert (rows[:, 0] == np.arange(3000, 3050)).all()
+    np.testing.assert_array_equal(faiss.rev_swig_ptr(faiss.downcast_index(cpu.cpu_index).get_xb(),
+                                                     3050 * DIM).reshape(3050, DIM), grown)  # untouched
+    # a page deeper than the allowed rows ends in -1, as faiss's does
+    few = np.zeros(3050, bool)
+    few[[7, 70, 700]] = True
+    scores, rows = dense.search(q[:3], 5, RowFilter(few))
+    assert (np.sort(rows[:, :3], axis=1) == [7, 70, 700]).all() and (rows[:, 3:] == -1).all()
+    assert np.isneginf(scores[:, 3:]).all()
+    # a retired build gives its device memory back; later searches use the CPU index
+    dense.close()
+    assert dense.placement == "cpu" and dense.index is cpu.cpu_index
+    with pytest.raises(RuntimeError, match="closed"):
+        cut.search(q[:1], 1)
 
 
 def test_torch_exact_index_refuses_what_it_cannot_search():

@@ -193,6 +193,9 @@ class DenseIndex:
             knobs = replace(knobs, ef_search=k)
         if self.placement != "cpu" and allowed is None and not on_cpu:  # GPU: no selector
             scores, rows = self.index.search(queries, k, params=_gpu_params(self.index, knobs, k))
+        elif allowed is not None and getattr(self.index, "takes_masks", False):
+            # the device's exact Flat copy (gpu_exact.py) filters by the mask itself
+            scores, rows = self.index.search(queries, k, allowed=allowed)
         else:
             scores, rows = self.cpu_index.search(queries, k, params=self.params(knobs, allowed))
         if self.metric == "l2":
@@ -222,6 +225,12 @@ class DenseIndex:
                 self.index, self.placement = self.cpu_index, "cpu"
         self.row_ids = np.concatenate([self.row_ids, np.asarray(chunk_ids, dtype=np.int64)])
         return first
+
+    def close(self) -> None:
+        """Free the device copy (a retired build's); later searches use the CPU index."""
+        device, self.index, self.placement = self.index, self.cpu_index, "cpu"
+        if device is not self.cpu_index and hasattr(device, "close"):
+            device.close()
 
     def chunk_ids(self, rows: np.ndarray) -> np.ndarray:
         out = np.full(rows.shape, -1, np.int64)

@@ -85,31 +85,42 @@ class Device:
     """Where indexes and models run. `prefer` is "auto", "cpu" or "cuda"."""
 
     prefer: str = "auto"
-    faiss_gpus: int = field(init=False)
+    faiss_seen: int = field(init=False)  # GPUs faiss reports; `faiss_gpus` those it can search on
     torch_cuda: bool = field(init=False)
-    faiss_gpu_unusable: Optional[str] = field(init=False, default=None)  # why faiss_gpus is 0
+    _faiss_usable: Optional[int] = field(init=False, default=None, repr=False)
+    _faiss_unusable: Optional[str] = field(init=False, default=None, repr=False)
     _resources: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.prefer not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.prefer!r}")
         use_gpu = self.prefer != "cpu"
-        self.faiss_gpus = _faiss_gpu_count() if use_gpu else 0
-        if self.faiss_gpus:
-            self.faiss_gpu_unusable = faiss_gpu_failure()
-            if self.faiss_gpu_unusable:
-                if not _warned_unusable:
-                    _warned_unusable.append(True)  # once per process, not once per Device
-                    log.warning("faiss sees %d GPU(s) but cannot search on them (%s). Flat "
-                                "indexes search on the GPU through torch; IVF and HNSW stay on "
-                                "the CPU. A faiss built for this GPU's architecture places them "
-                                "too (PyPI's faiss-gpu-cu12 has no Hopper kernels; conda's "
-                                "faiss-gpu, or a build from source, has them)",
-                                self.faiss_gpus, self.faiss_gpu_unusable)
-                self.faiss_gpus = 0
+        self.faiss_seen = _faiss_gpu_count() if use_gpu else 0
         self.torch_cuda = _torch_cuda() if use_gpu else False
-        if self.prefer == "cuda" and not (self.faiss_gpus or self.torch_cuda):
-            raise RuntimeError("device=cuda was asked for, but neither faiss nor torch sees a GPU")
+        if self.prefer == "cuda" and not (self.torch_cuda or self.faiss_gpus):
+            why = f" (faiss sees {self.faiss_seen} but {self._faiss_unusable})" if self.faiss_seen else ""
+            raise RuntimeError(f"device=cuda was asked for, but neither faiss nor torch can use a GPU{why}")
+
+    @property
+    def faiss_gpus(self) -> int:
+        """GPUs faiss can search on. Probed at first use, not at start: only the process that
+        places indexes pays for the probe (front ends and the builder's embedding never do)."""
+        if self._faiss_usable is None:
+            self._faiss_unusable = faiss_gpu_failure() if self.faiss_seen else None
+            self._faiss_usable = 0 if self._faiss_unusable else self.faiss_seen
+            if self._faiss_unusable and not _warned_unusable:
+                _warned_unusable.append(True)  # once per process, not once per Device
+                log.warning("faiss sees %d GPU(s) but cannot search on them (%s). Flat indexes "
+                            "search on the GPU through torch; IVF and HNSW stay on the CPU. A "
+                            "faiss built for this GPU's architecture places them too (PyPI's "
+                            "faiss-gpu-cu12 has no Hopper kernels; conda's faiss-gpu, or a build "
+                            "from source, has them)", self.faiss_seen, self._faiss_unusable)
+        return self._faiss_usable
+
+    @property
+    def faiss_gpu_unusable(self) -> Optional[str]:
+        """Why faiss cannot search on the GPUs it sees (None: it can, or it sees none)."""
+        return self._faiss_unusable if self.faiss_gpus == 0 else None
 
     @property
     def torch_device(self) -> str:
@@ -122,8 +133,12 @@ class Device:
         return ["CPUExecutionProvider"]
 
     def describe(self) -> str:
-        unusable = f" (faiss GPU unusable: {self.faiss_gpu_unusable})" if self.faiss_gpu_unusable else ""
-        return f"faiss_gpus={self.faiss_gpus}{unusable} torch={self.torch_device}"
+        """For the start-up log line; does not run the faiss probe (placement does)."""
+        faiss_part = (f"faiss_gpus={self._faiss_usable}" if self._faiss_usable is not None
+                      else f"faiss_sees={self.faiss_seen}")
+        if self._faiss_unusable:
+            faiss_part += f" (faiss GPU unusable: {self._faiss_unusable})"
+        return f"{faiss_part} torch={self.torch_device}"
 
     def gpu_resources(self, gpu: int):
         """One faiss StandardGpuResources per GPU, shared by the shards placed on it (each one

@@ -677,6 +677,8 @@ class ShardIndex:
             (self.states["dead"] + self.states["orphan"]) / total)
 
     def close(self) -> None:
+        for dense in (self.dense, *self.tenant_dense.values()):
+            dense.close()  # device memory goes back now, not when the last reference dies
         self.lexical.close()
         self.store.close()
         if self._lock is not None:
