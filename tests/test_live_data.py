@@ -190,6 +190,32 @@ def test_cache_entries_never_survive_a_write_that_changes_their_answer(live):
     assert metrics.RETRIEVAL_CACHE.labels("hit")._value.get() == hits_before
 
 
+def test_the_cache_never_answers_one_collection_with_anothers_results(tmp_path, tiny_embedder,
+                                                                       cranfield_docs):
+    """Outside QA: the key held the build id and the shard versions but not the collection, so
+    two collections built with the same `--build-id` (or a copied directory) shared entries, and
+    a query on one answered with the other's documents."""
+    first, second = cranfield_docs[:40], cranfield_docs[40:80]
+    publish_build(tmp_path, "one", first, tiny_embedder, build_id="same1")
+    publish_build(tmp_path, "two", second, tiny_embedder, build_id="same1")
+    srv = start_core_server(tmp_path, tiny_embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            for mode in (pb.LEXICAL, pb.DENSE):
+                got = {}
+                for name in ("one", "two", "one", "two"):  # the second round is served from cache
+                    resp = stub.Search(pb.SearchRequest(collection=name, text="flow over a flat plate",
+                                                        top_k=5, mode=mode), timeout=30)
+                    got.setdefault(name, []).append([h.doc_id for h in resp.hits])
+                assert got["one"][0] and got["one"][0] == got["one"][1]
+                assert set(got["one"][0]) <= {d.doc_id for d in first}
+                assert got["two"][0] and got["two"][0] == got["two"][1]
+                assert set(got["two"][0]) <= {d.doc_id for d in second}
+    finally:
+        srv.stop()
+
+
 def test_writes_survive_a_restart(tmp_path, tiny_embedder, cranfield_docs):
     publish_build(tmp_path, "live", cranfield_docs[:20], tiny_embedder)
     srv = start_core_server(tmp_path, tiny_embedder)

@@ -286,7 +286,9 @@ class QueryPipeline:
         vec = (hashlib.sha256(q.vector.tobytes()).hexdigest(), q.vector_model_id) if q.vector is not None else None
         # the text as sent: a normalisation of our own could fold two texts the tokenizer tells
         # apart (str.split() counts U+001F as a space; the tokenizer deletes it)
-        return (st.coll.desc.build_id, versions, q.text, vec, st.mode, tenant,
+        # the collection's name too: two collections can hold builds of the same id (a copied
+        # directory, `--build-id` given twice), at the same shard versions
+        return (st.coll.desc.collection, st.coll.desc.build_id, versions, q.text, vec, st.mode, tenant,
                 acl_scopes, q.filters, q.top_k, q.dense_depth, q.lexical_depth, q.rrf_k,
                 q.rerank_depth, q.context_token_budget, q.allow_partial, q.feedback_docs,
                 q.feedback_weight, q.lexical_feedback_terms, q.dense_weight, q.fusion)
