@@ -50,7 +50,13 @@ class ListenConfig:
                                        "and calls still running after it are answered UNAVAILABLE, "
                                        "which clients retry)")
     max_inflight: int = opt(256, "admission control: requests beyond this many in flight get "
-                                 "RESOURCE_EXHAUSTED at once", minimum=1)
+                                 "RESOURCE_EXHAUSTED at once (searches, batches and writes; on a "
+                                 "shard server, router calls)", minimum=1)
+    max_inflight_batched_queries: int = opt(
+        2048, "admission control by cost: a multi-query request (SearchBatch; a router's shard "
+              "call) that would bring the queries of such requests in flight past this many gets "
+              "RESOURCE_EXHAUSTED; single searches are never refused by it, so batches cannot "
+              "starve them", minimum=1)
     default_deadline_s: float = opt(30.0, "a search that brings no deadline gets this one (0 = "
                                           "none): a hung shard cannot hold it for ever")
     tls_cert: Optional[Path] = opt(None, "PEM certificate chain: serve TLS")

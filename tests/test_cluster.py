@@ -219,6 +219,83 @@ def test_overload_is_shed_with_resource_exhausted(faulty_pair, tiny_embedder):
         router.stop()
 
 
+def test_admission_counts_a_batch_by_its_queries_and_never_starves_single_searches():
+    """Outside QA: a SearchBatch counted as one request, so 60 batches of 1,024 queries were all
+    admitted (~61,000 queued) and a single Search waited out its deadline behind them."""
+    from server.core.admission import Admission
+    from server.errors import Overloaded
+
+    gate = Admission(max_requests=4, max_batched_queries=10)
+    with gate.admit(8):                       # a batch of 8 holds 8 of the 10
+        with pytest.raises(Overloaded, match="would pass the limit of 10"):
+            with gate.admit(3):
+                pass
+        with gate.admit(2), gate.admit(1), gate.admit(1):  # singles never count against it
+            assert gate.requests == 4 and gate.batched_queries == 10
+            with pytest.raises(Overloaded, match="4 requests in flight"):
+                with gate.admit(1):
+                    pass
+    assert gate.requests == 0 and gate.batched_queries == 0
+    with gate.admit(50):                      # larger than the budget, alone: admitted
+        with pytest.raises(Overloaded):
+            with gate.admit(2):
+                pass
+
+
+def test_a_batch_flood_is_shed_while_single_searches_answer(faulty_pair, tiny_embedder):
+    from server.core import metrics
+
+    slow_a, slow_b = faulty_pair("--inject-delay-prob", "1.0", "--inject-delay-ms", "600",
+                                 flags_b=("--inject-delay-prob", "1.0", "--inject-delay-ms", "600"))
+    router = start_router(tiny_embedder, "cran1", [[slow_a.address, slow_b.address]],
+                          HedgePolicy(enabled=False), listen={"max_inflight_batched_queries": 4})
+    try:
+        stub = stub_for(router.address)
+        batch = pb.SearchBatchRequest(queries=[pb.SearchRequest(collection="cran1", text=q, top_k=5)
+                                               for q in QUERIES[:3]])
+        first = stub.SearchBatch.future(batch, timeout=20)
+        held = time.monotonic() + 10
+        while metrics.INFLIGHT_BATCHED_QUERIES._value.get() < 3 and time.monotonic() < held:
+            time.sleep(0.01)  # until the router holds the first batch's 3 queries
+        assert metrics.INFLIGHT_BATCHED_QUERIES._value.get() == 3
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SearchBatch(batch, timeout=20)  # 3 more would make 6 > 4: refused at once
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queries of batches in flight" in err.value.details()
+        single = stub.Search(pb.SearchRequest(collection="cran1", text="slip flow", top_k=5), timeout=20)
+        assert len(single.hits) == 5  # a single search is admitted beside the batch
+        assert [(r.code, len(r.response.hits)) for r in first.result().results] == [(0, 5)] * 3
+        again = stub.SearchBatch(batch, timeout=20).results  # the budget is free again
+        assert [(r.code, len(r.response.hits)) for r in again] == [(0, 5)] * 3
+    finally:
+        router.stop()
+
+
+def test_a_shard_server_sheds_router_calls_beyond_its_max_inflight(faulty_pair, three_shard_build):
+    """Outside QA: the shard role took --max-inflight and never checked it; 200 concurrent
+    calls to a shard started with --max-inflight 2 all queued."""
+    from server.core.collection import CollectionStore
+    from server.rpc import shard_pb2 as spb
+    from server.rpc import shard_pb2_grpc as spb_grpc
+
+    slow, _ = faulty_pair("--inject-delay-prob", "1.0", "--inject-delay-ms", "600", "--max-inflight", "1")
+    build = CollectionStore(three_shard_build).live_build("cran1")
+    request = spb.ShardSearchRequest(queries=[spb.ShardQuery(build_id=build, tenant="default",
+                                                             text="slip flow", lexical_depth=5)])
+    with grpc.insecure_channel(slow.address) as ch:
+        stub = spb_grpc.ShardServiceStub(ch)
+        calls = [stub.SearchShard.future(request, timeout=20) for _ in range(4)]
+        codes = []
+        for call in calls:
+            try:
+                call.result()
+                codes.append("OK")
+            except grpc.RpcError as err:
+                codes.append(err.code().name)
+    assert codes.count("OK") >= 1 and codes.count("RESOURCE_EXHAUSTED") >= 1, codes
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
+
+
 def test_failing_replica_is_retried_on_the_next_one(faulty_pair, tiny_embedder):
     failing, healthy = faulty_pair("--inject-fail-prob", "1.0")
     router = start_router(tiny_embedder, "cran1", [[failing.address, healthy.address]],

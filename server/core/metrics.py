@@ -22,6 +22,8 @@ SHARD_SECONDS = Histogram("search_shard_seconds", "Latency of one shard call, pe
 REQUESTS = Counter("search_requests_total", "RPCs answered, by method and status code",
                    ["method", "code"])
 INFLIGHT = Gauge("search_inflight_requests", "Requests being served now")
+INFLIGHT_BATCHED_QUERIES = Gauge("search_inflight_batched_queries", "Queries of multi-query "
+                                 "requests (SearchBatch, a router's shard message) being served now")
 REJECTED = Counter("search_rejected_total", "Requests shed by admission control")
 HEDGES_SENT = Counter("search_hedges_sent_total", "Hedged shard requests sent", ["shard"])
 HEDGES_WON = Counter("search_hedges_won_total", "Hedged shard requests that answered first", ["shard"])

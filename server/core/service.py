@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from server.backends.device import Device
 from server.config import ServerConfig
+from server.core.admission import Admission
 from server.core import metrics
 from server.core.builds import BuildManager
 from server.core.collection import CollectionStore, ReleaseDescriptor
@@ -25,7 +26,7 @@ from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import SearchQuery, SearchResult, WriteRequest
 from server.core.writes import WriteAck, WriteLog, WritePath
 from server.core.validation import check_batch_size
-from server.errors import FailedPrecondition, Overloaded, SearchError
+from server.errors import FailedPrecondition, SearchError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class SearchCore:
         self.writes = WritePath(self.registry, self.encoders, write_log)
         self.builds: Optional[BuildManager] = None
         self.engine = None  # a front end's link to the engine process that owns its shards
-        self.inflight = 0
+        self.admission = Admission(config.listen.max_inflight,
+                                   config.listen.max_inflight_batched_queries)
         self.ready = False
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -89,12 +91,6 @@ class SearchCore:
     def collection(self, name: str) -> LoadedCollection:
         return self.registry.get(name)
 
-    def _admit(self) -> None:
-        if self.inflight >= self.config.listen.max_inflight:
-            metrics.REJECTED.inc()
-            raise Overloaded(f"{self.inflight} requests in flight (limit "
-                             f"{self.config.listen.max_inflight}); retry with backoff")
-
     async def search(self, q: SearchQuery, tenant: str, deadline: Optional[float] = None,
                      acl_scopes: Sequence[str] = ()) -> SearchResult:
         """`tenant` and `acl_scopes` come from the caller's credentials, never from the request."""
@@ -110,14 +106,8 @@ class SearchCore:
         if not tenant:
             raise FailedPrecondition("no tenant resolved for the caller")
         check_batch_size(len(queries))
-        self._admit()
-        self.inflight += 1
-        metrics.INFLIGHT.inc()
-        try:
+        with self.admission.admit(len(queries)):
             return await self.pipeline.search(queries, tenant, tuple(acl_scopes), deadline)
-        finally:
-            self.inflight -= 1
-            metrics.INFLIGHT.dec()
 
     async def stats(self, name: str, tenant: Optional[str] = None, digest: bool = False) -> dict:
         """Live counts from every shard (of one tenant's documents only when `tenant` is given:
@@ -143,7 +133,8 @@ class SearchCore:
         if self.writes.log is None and not self.registry.get(w.collection).direct_writes:
             raise FailedPrecondition("this router's shards are replica sets and it has no write "
                                      "log: start it with --nats (replicated writes)")
-        return await self.writes.write(w, tenant)
+        with self.admission.admit():  # a write waiting on its log counts as in flight too
+            return await self.writes.write(w, tenant)
 
     async def compact(self, name: str) -> dict:
         if self.builds is not None:

@@ -165,7 +165,8 @@ async def start_server(core: SearchCore, auth: Authenticator, host: str = "127.0
 
 async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0,
                              tls: Optional[TLSConfig] = None, token: Optional[str] = None,
-                             status=None, serving: bool = True) -> RunningServer:
+                             status=None, serving: bool = True,
+                             admission=None) -> RunningServer:
     """Serve one shard over proto/shard.proto, with health and reflection. Callers must present
     `token` (the shared router credential) unless mutual TLS authenticates them; neither is
     allowed only on loopback. `serving=False` keeps health NOT_SERVING (catching up on the log)."""
@@ -174,7 +175,7 @@ async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0,
     auth = ShardAuth.for_listener(host, token, tls is not None and tls.client_ca is not None)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     lifecycle = Lifecycle()
-    servicer = ShardServicer(shard, lifecycle, auth, status)
+    servicer = ShardServicer(shard, lifecycle, auth, status, admission)
     add_service(server, servicer, shard_pb2.DESCRIPTOR.services_by_name["ShardService"])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

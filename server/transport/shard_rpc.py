@@ -19,6 +19,7 @@ import grpc
 
 from server import errors
 from server.core import metrics
+from server.core.admission import Admission
 from server.core.types import Candidate, FetchRequest, ShardInfo, ShardQuery, ShardWrite, WriteOutcome
 from server.rpc import shard_pb2 as spb
 from server.rpc import shard_pb2_grpc as spb_grpc
@@ -92,8 +93,11 @@ class ShardAuth:
 class ShardServicer(spb_grpc.ShardServiceServicer):
     """Serves one shard (a LocalShard, or a fault-injecting wrapper of one) to routers."""
 
-    def __init__(self, shard, lifecycle: Lifecycle, auth: ShardAuth, status=None):
+    def __init__(self, shard, lifecycle: Lifecycle, auth: ShardAuth, status=None,
+                 admission: Optional[Admission] = None):
         self.shard = shard
+        # routers' search calls are shed here as a front end sheds its callers' (--max-inflight)
+        self.admission = admission or Admission(256, 2048)
         # after an alias flip, the build served before, for a grace period: a router that has
         # not followed the flip yet still reads it (shard_server.ShardReplica.follow_aliases)
         self.previous = None
@@ -121,7 +125,8 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
                 answers[i] = exc
         if queries:
             shard = self._serving(queries[0][1].build_id)
-            results = await shard.search([q for _, q in queries], context.time_remaining())
+            with self.admission.admit(len(queries)):
+                results = await shard.search([q for _, q in queries], context.time_remaining())
             for (i, q), r in zip(queries, results):
                 answers[i] = r
         out = spb.ShardSearchResponse()

@@ -18,6 +18,7 @@ from typing import Optional
 
 from server.backends.device import Device
 from server.config import ServerConfig
+from server.core.admission import Admission
 from server.core.collection import CollectionStore
 from server.core.engine.local import EnginePools, LocalShard
 from server.core.faults import FaultSpec, FaultyShard
@@ -160,7 +161,9 @@ async def serve_shard(cfg: ServerConfig, device: Device) -> None:
     note = app.start_metrics(cfg.listen.host, cfg.listen.metrics_port)
     running = await app.start_shard_server(replica.served, cfg.listen.host, cfg.listen.port, tls,
                                            token, replica.status,
-                                           serving=replica.replicator is None)
+                                           serving=replica.replicator is None,
+                                           admission=Admission(cfg.listen.max_inflight,
+                                                               cfg.listen.max_inflight_batched_queries))
     tasks = []
     loop = asyncio.get_running_loop()
     if replica.replicator is not None:
