@@ -295,7 +295,10 @@ def test_unreachable_log_raises_write_log_unavailable_within_the_timeout(nats_se
             assert (await log.publish(0, b"up", "down-1", timeout=2.0)).seq == 1
 
             server.stop()
-            with pytest.raises(WriteLogUnavailable):
+            # the answer says the outcome is unknown and how to retry (outside QA: a caller
+            # read UNAVAILABLE as "not stored" and re-sent a changed body under the version)
+            with pytest.raises(WriteLogUnavailable, match="may still have been stored: re-send "
+                                                          "the same request"):
                 await asyncio.wait_for(log.publish(0, b"while down", "down-2", timeout=1.0), 5.0)
             reader = ShardLogReader(log, 0, "down-r", after_seq=0)
             with pytest.raises(WriteLogUnavailable):

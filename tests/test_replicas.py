@@ -53,6 +53,24 @@ def test_unavailable_is_retried_on_the_next_replica():
     assert (a.calls, b.calls) == (1, 1) and rs.stats["retries"] == 1
 
 
+def test_a_replica_that_is_down_is_ejected_not_tried_before_every_search():
+    """Outside QA: a replica refusing connections fails in microseconds, so it never had calls
+    outstanding and looked the least loaded: with it down, every search paid a failing call
+    first (600-1,300 in 5 s). UNAVAILABLE now strikes it like a timeout, without counting its
+    instant failure as a fast answer."""
+    down, up = Replica("down", Unavailable("connection refused")), Replica("up")
+    rs = ReplicaSet(0, [down, up], HedgePolicy(enabled=False))
+
+    async def many():
+        for _ in range(40):
+            assert (await rs.search(Q, 5))[0].corpus_version == "v1"
+
+    run(many())
+    assert down.calls == HedgePolicy().eject_after  # then ejected for the rest of the second
+    assert up.calls == 40 and rs.stats["ejections"] == 1
+    assert rs.health[0].ewma_ms >= rs.health[1].ewma_ms  # its failures did not read as speed
+
+
 def test_when_every_replica_fails_the_error_sums_them_up():
     rs = ReplicaSet(3, [Replica("a", Unavailable("down")), Replica("b", Unavailable("reset"))],
                     HedgePolicy(enabled=False))

@@ -191,6 +191,13 @@ def test_a_replica_that_was_down_catches_up_before_it_serves(cluster):
     assert lag and all(line.endswith(" 0.0") for line in lag), lag
     applied = [line for line in scraped.splitlines() if line.startswith("search_applied_sequence{")]
     assert any(float(line.split()[-1]) > 0 for line in applied), applied
+    # outside QA: in a cluster nothing counted applied writes or their write->visible time (the
+    # router only appends); the replica counts the writes of its shard it caught up on, and
+    # the time from each one's append to its apply here
+    counted = {line.split()[0]: float(line.split()[-1]) for line in scraped.splitlines()
+               if line.startswith(("search_writes_total{", "search_write_visible_seconds_count"))}
+    applied_here = counted.get('search_writes_total{op="upsert",outcome="applied"}', 0)
+    assert applied_here >= 1 and counted.get("search_write_visible_seconds_count") == applied_here, counted
 
 
 def test_a_replica_killed_inside_a_write_numbers_its_rows_as_its_siblings_do(cluster):

@@ -28,7 +28,7 @@ REJECTED = Counter("search_rejected_total", "Requests shed by admission control"
 HEDGES_SENT = Counter("search_hedges_sent_total", "Hedged shard requests sent", ["shard"])
 HEDGES_WON = Counter("search_hedges_won_total", "Hedged shard requests that answered first", ["shard"])
 EJECTIONS = Counter("search_replica_ejections_total", "Replicas taken out of rotation after "
-                    "timeouts or stalls", ["shard", "replica"])
+                    "timeouts, stalls or UNAVAILABLE answers", ["shard", "replica"])
 RETRIES = Counter("search_retries_total", "Shard requests retried on another replica", ["shard"])
 SHARD_ERRORS = Counter("search_shard_errors_total", "Failed shard calls", ["shard", "replica", "code"])
 BATCH_SIZE = Histogram("search_batch_size", "Items per device call", ["model"], buckets=BATCH_BUCKETS)
@@ -63,9 +63,11 @@ WRITE_GROUP = Histogram("search_write_group_size", "Writes applied per group com
 ORPHANS = Gauge("search_orphan_rows", "Rows of writes that never became live", ["collection", "shard"])
 STALENESS = Histogram("search_staleness_seconds", "ingested_at - source_modified_at of written "
                       "documents", buckets=tuple(0.01 * 2 ** i for i in range(24)))
-FRESHNESS = Histogram("search_write_visible_seconds", "Write received -> searchable (acknowledged)",
-                      buckets=LATENCY_BUCKETS)
-WRITES = Counter("search_writes_total", "Document writes by operation and outcome", ["op", "outcome"])
+FRESHNESS = Histogram("search_write_visible_seconds", "Write received -> searchable: acknowledged "
+                      "(embedded), or appended to the log -> applied on this replica (replicas; "
+                      "across hosts this includes their clock difference)", buckets=LATENCY_BUCKETS)
+WRITES = Counter("search_writes_total", "Document writes by operation and outcome: a router counts "
+                 "appends (accepted), each replica what it applied (applied, noop)", ["op", "outcome"])
 RETRIEVAL_CACHE = Counter("search_retrieval_cache_total", "Retrieval cache lookups", ["result"])
 EMBED_CACHE = Counter("search_embedding_cache_total", "Query-embedding cache lookups", ["result"])
 

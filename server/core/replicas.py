@@ -3,7 +3,8 @@
 Policy, in order:
 1. **Rotation**: a replica serving another build than the router's (it answered "serves build X")
    is out of rotation until a re-read of its ShardInfo shows the router's build again; a replica
-   whose calls time out or stall is ejected for a while (`eject_ms`, doubling on each ejection
+   whose calls time out, stall or fail UNAVAILABLE (it is down, refusing connections, catching
+   up or overloaded) is ejected for a while (`eject_ms`, doubling on each ejection
    in a row up to `eject_max_ms`), then taken back on probation. When no replica is in rotation,
    all of them are tried rather than none.
 2. **Pick**: among replicas in rotation, the lowest (outstanding calls + 1) x recent latency
@@ -159,13 +160,17 @@ class ReplicaSet:
         age = max(0.0, now - h.sampled_at)
         return best + (h.ewma_ms - best) * 0.5 ** (age / self.policy.ewma_half_life_s)
 
-    def _strike(self, i: int, elapsed_ms: float) -> None:
-        """A timeout, or a first attempt a later hedge beat: slow evidence, and ejection when
-        repeated - unless that would leave no other replica in rotation."""
+    def _strike(self, i: int, elapsed_ms: Optional[float]) -> None:
+        """A timeout, a first attempt a later hedge beat (slow evidence: `elapsed_ms`), or an
+        UNAVAILABLE (None: a refused connection fails in microseconds, which must not read as a
+        fast replica); ejection when repeated - unless that would leave no other replica in
+        rotation. A replica that is down fails at once and so never has calls outstanding:
+        without this it looked the least loaded and took a failing call before every retry."""
         h = self.health[i]
         now = self._clock()
-        h.ewma_ms = 0.7 * self._latency(i, now) + 0.3 * elapsed_ms
-        h.sampled_at = now
+        if elapsed_ms is not None:
+            h.ewma_ms = 0.7 * self._latency(i, now) + 0.3 * elapsed_ms
+            h.sampled_at = now
         h.strikes += 1
         others = [j for j in range(len(self.replicas)) if j != i and self.health[j].in_rotation(now)]
         if h.strikes >= self.policy.eject_after and others:
@@ -214,6 +219,8 @@ class ReplicaSet:
         except SearchError as exc:
             if isinstance(exc, DeadlineExceeded):
                 self._strike(i, (time.perf_counter() - t0) * 1e3)
+            elif isinstance(exc, Unavailable):
+                self._strike(i, None)
             self._check_build(i, exc)
             metrics.SHARD_ERRORS.labels(str(self.shard_no), name, type(exc).__name__).inc()
             raise

@@ -181,6 +181,7 @@ class LogEntry:
     seq: int
     payload: bytes
     msg_id: str
+    appended_at: float = 0.0  # when the stream stored it (epoch seconds; 0 if unknown)
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,6 +546,13 @@ class JetStreamWriteLog:
                 f"append msg id {msg_id!r} to {subject}", attempt, timeout,
                 no_responders_hint=(f"; no stream answered on {subject}: was ensure_stream() run, "
                                     f"and does the server run with JetStream enabled (-js)?"))
+        except WriteLogUnavailable as exc:
+            # the caller's answer must say what a timeout means here (outside QA: a write
+            # answered UNAVAILABLE was stored, and a "corrected" body under the same version
+            # then lost to it as a stale replay)
+            raise WriteLogUnavailable(f"{exc}. The write may still have been stored: re-send "
+                                      "the same request (writes are idempotent by document "
+                                      "version); a changed body needs a higher version") from exc
         except nats.js.errors.APIError as exc:
             raise WriteLogError(f"JetStream refused the append of msg id {msg_id!r} to "
                                 f"{subject}: {_describe(exc)}") from exc
@@ -1071,8 +1079,10 @@ class ShardLogReader:
                 self._note_redelivery(sseq, m, stale_acks)
                 continue
             headers = m.headers or {}
+            stamp = getattr(md, "timestamp", None)
             out.append(LogEntry(seq=sseq, payload=bytes(m.data),
-                                msg_id=headers.get(MSG_ID_HEADER, "")))
+                                msg_id=headers.get(MSG_ID_HEADER, ""),
+                                appended_at=stamp.timestamp() if stamp is not None else 0.0))
             self._outstanding[sseq] = m
             self._delivered = sseq
         for m in stale_acks:

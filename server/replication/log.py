@@ -213,8 +213,15 @@ class ShardReplicator:
             w = shard_write_from_pb(msg, seq=e.seq)
             w.model_id = msg.model_id
             writes.append(w)
-        await self.shard.apply(writes)  # the applied sequence commits with the flip
+        outcomes = await self.shard.apply(writes)  # the applied sequence commits with the flip
         await self.reader.ack(entries)
+        # where a write becomes searchable in the cluster: the router only appends (and counts
+        # "accepted"), so each replica counts what it applied and how long after the append
+        now = time.time()
+        for w, e, out in zip(writes, entries, outcomes):
+            metrics.WRITES.labels(w.op, out.outcome).inc()
+            if e.appended_at and out.outcome == "applied":
+                metrics.FRESHNESS.observe(max(0.0, now - e.appended_at))
         return len(entries)
 
     async def _report_lag(self) -> None:
