@@ -20,6 +20,29 @@ from pathlib import Path
 DATA_DIR_DEFAULT = Path(os.environ.get("SEARCH_DATA_DIR", "data"))
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (search knobs, --k, --limit): 0 or -3 was stored in a
+    build, or failed with a traceback after the build was written (outside QA)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """argparse type: a recall in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a recall is between 0 and 1, not {value:g}")
+    return value
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT,
                    help="root of the collections (default: ./data or $SEARCH_DATA_DIR)")
@@ -42,13 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ip = cosine on the normalised embeddings (default)")
     b.add_argument("--shards", type=int, default=1,
                    help="number of shards (hash of doc id; default %(default)s)")
-    b.add_argument("--nprobe", type=int, default=None,
+    b.add_argument("--nprobe", type=_positive_int, default=None,
                    help="IVF lists probed per query (default: tuned to --target-recall)")
-    b.add_argument("--ef-search", type=int, default=None,
+    b.add_argument("--ef-search", type=_positive_int, default=None,
                    help="HNSW efSearch (default: tuned to --target-recall)")
-    b.add_argument("--k-factor", type=int, default=None,
+    b.add_argument("--k-factor", type=_positive_int, default=None,
                    help="refine shortlist factor for ...,RFlat (default: tuned to --target-recall)")
-    b.add_argument("--target-recall", type=float, default=0.95,
+    b.add_argument("--target-recall", type=_fraction, default=0.95,
                    help="with --audit/--publish: pick the cheapest knob setting (efSearch, nprobe, "
                         "k_factor) whose held-out recall@10 meets this; knobs given explicitly are "
                         "kept as they are while the others tune (default %(default)s; 0 = do not "
@@ -64,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--audit-queries", type=Path, default=None,
                    help=".npy of held-out query vectors for the recall audit (default for text "
                         "builds: embedded spans of the corpus)")
-    b.add_argument("--limit", type=int, default=None, help="index only the first N documents")
+    b.add_argument("--limit", type=_positive_int, default=None, help="index only the first N documents")
     b.add_argument("--tenant", default="default", help="tenant of documents that name none")
     b.add_argument("--dedicated-tenant-min-chunks", type=int, default=None,
                    help="tenants owning at least this many chunks of a shard get their own index")
@@ -76,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--build-id", default=None)
     b.add_argument("--audit", action="store_true", help="audit recall after building")
     b.add_argument("--publish", action="store_true", help="audit, then publish if the audit passes")
-    b.add_argument("--min-recall", type=float, default=0.9,
+    b.add_argument("--min-recall", type=_fraction, default=0.9,
                    help="the audit fails (and --publish refuses) below this recall@10 (default "
                         "%(default)s)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -84,15 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("audit", help="measure ANN recall@k against exact search; store it in the build")
     _add_common(a)
     a.add_argument("--build", default=None, help="build id (default: the newest build)")
-    a.add_argument("--k", type=int, default=10)
+    a.add_argument("--k", type=_positive_int, default=10)
     a.add_argument("--queries", type=int, default=200, help="audit queries used (held-out ones "
                    "stored with the build when it has them)")
     a.add_argument("--audit-queries", type=Path, default=None,
                    help=".npy of held-out query vectors (n x dim) to audit (and tune) on, instead "
                         "of the ones stored with the build")
-    a.add_argument("--min-recall", type=float, default=0.9,
+    a.add_argument("--min-recall", type=_fraction, default=0.9,
                    help="the audit fails below this recall@10 (default %(default)s)")
-    a.add_argument("--target-recall", type=float, default=None,
+    a.add_argument("--target-recall", type=_fraction, default=None,
                    help="also tune the search knobs to the cheapest setting meeting this recall")
     a.add_argument("--state-dir", type=Path, default=None,
                    help="where servers keep this collection's state (default: DATA_DIR/.state): "
@@ -104,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     pub = sub.add_parser("publish", help="flip the collection's alias to a build (audit must pass)")
     _add_common(pub)
     pub.add_argument("--build", required=True)
-    pub.add_argument("--min-recall", type=float, default=None,
+    pub.add_argument("--min-recall", type=_fraction, default=None,
                      help="override the threshold stored with the audit")
 
     ls = sub.add_parser("list", help="list collections and builds")
@@ -156,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dc = sub.add_parser("demo-corpus", help="write a corpus of Python standard-library docstrings")
     dc.add_argument("--out", type=Path, required=True)
-    dc.add_argument("--limit", type=int, default=None)
+    dc.add_argument("--limit", type=_positive_int, default=None)
     return p
 
 

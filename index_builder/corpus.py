@@ -72,14 +72,28 @@ def read_corpus(path: Path, default_tenant: str = "default",
             record += 1
             try:
                 obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
+                if not isinstance(obj, dict):
+                    raise ValueError(f"a record must be a JSON object, not {type(obj).__name__}")
                 doc_id = obj.get("_id", obj.get("id"))
                 if doc_id is None or "text" not in obj:
                     raise ValueError("needs an id (or _id) and a text")
+                # what would otherwise be stored as Python's repr of it ("None", "{'x': 1}")
+                if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
+                    raise ValueError(f"id must be a string or an integer, not {doc_id!r}")
+                for field in ("text", "title", "tenant"):
+                    if obj.get(field) is not None and not isinstance(obj[field], str):
+                        raise ValueError(f"{field} must be a string, not {type(obj[field]).__name__}")
+                if obj["text"] is None:
+                    obj["text"] = ""  # as absent: a record with a title alone is still findable
                 meta = obj.get("metadata") or {}
                 if not isinstance(meta, dict):
                     raise ValueError("metadata must be an object")
+                nested = [k for k, v in meta.items() if isinstance(v, (dict, list)) or v is None]
+                if nested:
+                    raise ValueError(f"metadata values must be strings, numbers or booleans "
+                                     f"(filters match them as text); {nested[0]!r} is not")
                 acl = obj.get("acl") or []
-                if not isinstance(acl, list):
+                if not isinstance(acl, list) or not all(isinstance(a, str) for a in acl):
                     raise ValueError("acl must be a list of scope names")
                 vector = obj.get("vector")
                 if vector is not None and (not isinstance(vector, list) or not vector

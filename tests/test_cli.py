@@ -141,6 +141,15 @@ def test_bad_corpus_lines_and_factories_are_clear_errors(tmp_path):
     ({"id": "1", "text": "t", "metadata": {"bad key!": "v"}}, "metadata key"),
     ({"id": "1", "text": "t", "acl": ["no spaces"]}, "acl"),
     ({"id": "1", "text": "t", "tenant": "bad tenant"}, "tenant 'bad tenant' must match"),
+    # outside QA: a valid JSON line that is not an object was a traceback; a null text was
+    # indexed as the word "None", an object id and nested metadata as Python's repr of them
+    (["id", "text"], "a record must be a JSON object, not list"),
+    ("just a string", "a record must be a JSON object, not str"),
+    ({"id": {"x": 1}, "text": "t"}, "id must be a string or an integer"),
+    ({"id": "1", "text": 5}, "text must be a string, not int"),
+    ({"id": "1", "text": "t", "title": ["a"]}, "title must be a string, not list"),
+    ({"id": "1", "text": "t", "metadata": {"k": {"nested": 1}}}, "metadata values must be strings"),
+    ({"id": "1", "text": "t", "acl": [1]}, "acl must be a list of scope names"),
 ])
 def test_the_builder_refuses_what_the_write_api_refuses(tmp_path, line, problem):
     """Outside QA: the builder took ids, versions and sizes that UpsertDocument and
@@ -161,8 +170,10 @@ def test_a_document_with_neither_text_nor_title_is_skipped_and_reported(tmp_path
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps(d) + "\n" for d in (
-        {"id": "a", "text": "some text"}, {"id": "b", "text": "  "}, {"id": "c", "text": "", "title": "T"})))
-    assert [d.doc_id for d in read_corpus(corpus)] == ["a", "c"]
+        {"id": "a", "text": "some text"}, {"id": "b", "text": "  "}, {"id": "c", "text": "", "title": "T"},
+        {"id": "d", "text": None, "title": "Only a title"})))
+    docs = list(read_corpus(corpus))
+    assert [d.doc_id for d in docs] == ["a", "c", "d"] and docs[2].text == ""  # null: no text, not "None"
     assert f"skipped 1 document(s) with neither text nor title: {corpus}:2 ('b')" in capsys.readouterr().err
 
 
@@ -376,3 +387,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("flags,problem", [
+    (("--nprobe", "-3"), "--nprobe: must be at least 1, not -3"),
+    (("--ef-search", "0"), "--ef-search: must be at least 1, not 0"),
+    (("--limit", "0"), "--limit: must be at least 1, not 0"),
+    (("--target-recall", "1.5"), "--target-recall: a recall is between 0 and 1, not 1.5"),
+])
+def test_knobs_out_of_range_are_refused_before_anything_is_built(tmp_path, flags, problem):
+    """Outside QA: --nprobe -3 failed with a traceback after the build was written, --ef-search 0
+    was stored in the build, --limit 0 indexed everything, --target-recall 1.5 was taken."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "text": "one"}) + "\n")
+    out = cli("build", "--data-dir", tmp_path, "--collection", "x", "--corpus", corpus, *flags)
+    assert out.returncode == 2 and problem in out.stderr, out.stderr
+    assert not (tmp_path / "x").exists()

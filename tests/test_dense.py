@@ -433,3 +433,29 @@ def test_a_faiss_that_aborts_on_the_gpu_is_caught_in_a_child_process(monkeypatch
     index = faiss.IndexHNSWFlat(DIM, 8)
     placed, where = dev.place_index(index, 0)
     assert placed is index and where == "cpu"
+
+
+@pytest.mark.parametrize("factory", ["PCA32,IVF64,Flat", "OPQ8,IVF64,PQ8", "PCA32,IVF64,PQ8,RFlat"])
+def test_a_transform_in_front_takes_its_knobs_and_selectors(factory, data):
+    """Outside QA: `PCA64,IVF1,Flat` passed its audit, then every dense query failed once a
+    delete or a filter brought a selector (its IVF got plain parameters), and its nprobe was
+    never applied (the builder found no knob to tune)."""
+    from server.core.audit import index_knobs
+
+    x, q, gt = data
+    idx = build(factory, x)
+    assert "nprobe" in index_knobs(idx.cpu_index)
+    ivf = faiss.extract_index_ivf(idx.cpu_index)
+    answers = []
+    for nprobe in (1, 64):  # the knob reaches the IVF inside: as faiss answers with it set there
+        ivf.nprobe = nprobe
+        _, want = idx.cpu_index.search(q, K)  # a refine step's own k_factor is 1, as below
+        ivf.nprobe = 1
+        _, got = idx.search(q, K, knobs=SearchKnobs(nprobe=nprobe, k_factor=1))
+        assert (got == want).all()
+        answers.append(got)
+    assert (answers[0] != answers[1]).any()
+    mask = np.zeros(N, bool)
+    mask[::3] = True
+    _, rows = idx.search(q, K, RowFilter(mask), knobs=SearchKnobs(nprobe=64, k_factor=8))
+    assert (rows >= 0).all() and (rows % 3 == 0).all()

@@ -64,29 +64,45 @@ def training_size(index: faiss.Index) -> int:
     return 0 if index.is_trained else 10_000
 
 
+def _layers(index: faiss.Index) -> list:
+    """The index and the ones it wraps, outermost first: a refine step (`...,RFlat`) and a
+    vector transform in front (`PCA64,...`, `OPQ16,...`) wrap the index that is searched."""
+    out = [faiss.downcast_index(index)]
+    while True:
+        if isinstance(out[-1], faiss.IndexRefine):
+            out.append(faiss.downcast_index(out[-1].base_index))
+        elif isinstance(out[-1], faiss.IndexPreTransform):
+            out.append(faiss.downcast_index(out[-1].index))
+        else:
+            return out
+
+
 def _unwrap(index: faiss.Index) -> faiss.Index:
-    index = faiss.downcast_index(index)
-    if isinstance(index, faiss.IndexRefine):
-        return faiss.downcast_index(index.base_index)
-    return index
+    return _layers(index)[-1]
+
+
+def has_refine(index: faiss.Index) -> bool:
+    return any(isinstance(layer, faiss.IndexRefine) for layer in _layers(index))
 
 
 def _search_params(index: faiss.Index, knobs: SearchKnobs,
                    sel: Optional[faiss.IDSelector]) -> Optional[faiss.SearchParameters]:
+    """Parameters shaped like the index: a refine step takes its own, around its base's; a
+    transform passes any other kind on to the index it wraps (faiss's IndexPreTransform), so it
+    needs none. Outside QA: `PCA64,IVF1,Flat` got plain parameters, which its IVF refused once a
+    delete or filter brought a selector, and never saw its nprobe."""
     top = faiss.downcast_index(index)
-    inner = _unwrap(top)
-    if isinstance(inner, faiss.IndexIVF):
-        base = faiss.SearchParametersIVF(nprobe=min(knobs.nprobe, inner.nlist), sel=sel)
-    elif isinstance(inner, faiss.IndexHNSW):
-        base = faiss.SearchParametersHNSW(efSearch=knobs.ef_search, sel=sel)
-    elif sel is not None:
-        base = faiss.SearchParameters(sel=sel)
-    else:
-        base = None
+    if isinstance(top, faiss.IndexPreTransform):
+        return _search_params(top.index, knobs, sel)
     if isinstance(top, faiss.IndexRefine):
+        base = _search_params(top.base_index, knobs, sel)
         # (faiss's wrapper keeps `base` and the selector referenced by the outer object)
         return faiss.IndexRefineSearchParameters(k_factor=float(knobs.k_factor), base_index_params=base)
-    return base
+    if isinstance(top, faiss.IndexIVF):
+        return faiss.SearchParametersIVF(nprobe=min(knobs.nprobe, top.nlist), sel=sel)
+    if isinstance(top, faiss.IndexHNSW):
+        return faiss.SearchParametersHNSW(efSearch=knobs.ef_search, sel=sel)
+    return faiss.SearchParameters(sel=sel) if sel is not None else None
 
 
 def file_sha256(path: Path) -> str:

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import faiss
 import numpy as np
 
-from server.backends.dense import DenseIndex, SearchKnobs, _unwrap
+from server.backends.dense import DenseIndex, SearchKnobs, _unwrap, has_refine
 from server.backends.docstore import DocStore
 from server.backends.lexical import LexicalIndex
 from server.core.collection import CollectionStore, ReleaseDescriptor, shard_dir_name
@@ -94,7 +94,7 @@ def index_knobs(index: faiss.Index) -> tuple[str, ...]:
     inner = _unwrap(top)
     names = ("ef_search",) if isinstance(inner, faiss.IndexHNSW) else \
         ("nprobe",) if isinstance(inner, faiss.IndexIVF) else ()
-    return names + (("k_factor",) if isinstance(top, faiss.IndexRefine) and names else ())
+    return names + (("k_factor",) if has_refine(top) and names else ())
 
 
 def _candidate_knobs(index: faiss.Index, base: SearchKnobs,
@@ -103,7 +103,7 @@ def _candidate_knobs(index: faiss.Index, base: SearchKnobs,
     `pinned` knobs keep the base's value (given on the command line) while the others tune."""
     top = faiss.downcast_index(index)
     inner = _unwrap(top)
-    refine = isinstance(top, faiss.IndexRefine)
+    refine = has_refine(top)
     if isinstance(inner, faiss.IndexHNSW):
         if "ef_search" in pinned:
             return []
