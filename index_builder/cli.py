@@ -364,6 +364,7 @@ def cmd_publish(args) -> int:
 
 def cmd_list(args) -> int:
     from server.core.collection import CollectionStore
+    from server.errors import IndexCorruptError
 
     if not Path(args.data_dir).is_dir():  # a typo listed nothing and exited 0
         print(f"data directory {args.data_dir} "
@@ -376,15 +377,21 @@ def cmd_list(args) -> int:
         print(f"collection {args.collection!r} has no builds under {args.data_dir}", file=sys.stderr)
         return 2
     published = set(store.collections())
+    damaged = 0
     for name in names:
         live = store.alias(name).get("live") if name in published else None
         print(name if live else f"{name}  (not published)")
         for b in store.builds(name):
-            d = store.descriptor(name, b)
+            try:
+                d = store.descriptor(name, b)
+            except IndexCorruptError as exc:  # one damaged build must not hide the others
+                print(f"  {'*' if b == live else ' '} {b}  DAMAGED: {exc}")
+                damaged += 1
+                continue
             audit = f"recall@{d.audit['k']}={d.audit['recall']:.3f}" if d.audit else "not audited"
             print(f"  {'*' if b == live else ' '} {b}  {d.factory:<24} {d.chunks:>8} chunks  "
                   f"{d.shards} shard(s)  {audit}")
-    return 0
+    return 1 if damaged else 0
 
 
 def cmd_demo_corpus(args) -> int:

@@ -73,6 +73,15 @@ def test_list_shows_unpublished_builds_and_audit_defaults_to_the_newest(tmp_path
     assert out.returncode == 0, out.stderr
     assert store.descriptor("waiting", "aa-newer").audit and not store.descriptor(
         "waiting", "zz-older").audit
+    # outside QA: one flipped byte in a build's descriptor stopped `list` part-way, hiding the
+    # other builds, with a message that named no file
+    damaged = store.build_dir("waiting", "zz-older") / "release.json"
+    raw = bytearray(damaged.read_bytes())
+    raw[5] = 0xFF
+    damaged.write_bytes(bytes(raw))
+    listing = cli("list", "--data-dir", tmp_path)
+    assert listing.returncode == 1 and "aa-newer" in listing.stdout
+    assert f"zz-older  DAMAGED: release descriptor {damaged} is unreadable" in listing.stdout
 
 
 def test_the_live_build_is_not_retuned_under_its_servers(built):

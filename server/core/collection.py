@@ -276,7 +276,11 @@ class CollectionStore:
         path = self.build_dir(name, build_id) / DESCRIPTOR
         if not path.is_file():
             raise NotFound(f"build {build_id!r} of collection {name!r} has no {DESCRIPTOR}")
-        return ReleaseDescriptor.from_json(path.read_text(), path)
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError) as exc:  # a flipped byte: name the file
+            raise IndexCorruptError(f"release descriptor {path} is unreadable: {exc}") from exc
+        return ReleaseDescriptor.from_json(text, path)
 
     def write_descriptor(self, desc: ReleaseDescriptor) -> None:
         atomic_write(self.build_dir(desc.collection, desc.build_id) / DESCRIPTOR, desc.to_json())
