@@ -645,3 +645,17 @@ def test_a_build_under_a_strict_umask_is_still_readable_by_other_users(tmp_path)
     for d in (data, data / "u", data / "u" / "builds", store.build_dir("u", desc.build_id)):
         assert d.stat().st_mode & others == others, d
     assert (data / "u" / "ALIAS").stat().st_mode & stat.S_IROTH
+
+
+def test_publishing_the_live_build_again_keeps_its_rollback_target(tmp_path, tiny_embedder,
+                                                                   cranfield_docs):
+    """Outside QA: publishing the build that was already live set `previous` to null, so the
+    collection lost its rollback target."""
+    from conftest import publish_build
+    from server.core.collection import CollectionStore
+
+    a = publish_build(tmp_path, "c", cranfield_docs[:10], tiny_embedder)
+    b = publish_build(tmp_path, "c", cranfield_docs[:12], tiny_embedder)
+    store = CollectionStore(tmp_path)
+    assert store.publish("c", b.build_id) == {"live": b.build_id, "previous": a.build_id}
+    assert store.alias("c") == {"live": b.build_id, "previous": a.build_id}

@@ -341,13 +341,15 @@ class CollectionStore:
         alias_path = self.collection_dir(name) / "ALIAS"
         with open(self.collection_dir(name) / ".ALIAS.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if we die
-            previous = None
+            previous, before = None, None
             if alias_path.is_file():
-                previous = self.alias(name).get("live")
+                current = self.alias(name)
+                previous, before = current.get("live"), current.get("previous")
             if expect_live is not None and previous != expect_live:
                 raise FailedPrecondition(
                     f"{name}: build {previous} was published while {build_id} was made from "
                     f"{expect_live}; {build_id} not published")
-            alias = {"live": build_id, "previous": previous if previous != build_id else None}
+            # publishing the live build again keeps its rollback target (outside QA: it was lost)
+            alias = {"live": build_id, "previous": previous if previous != build_id else before}
             atomic_write(alias_path, json.dumps(alias))
         return alias
