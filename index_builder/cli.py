@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(a)
     a.add_argument("--build", default=None, help="build id (default: the newest build)")
     a.add_argument("--k", type=_positive_int, default=10)
-    a.add_argument("--queries", type=int, default=200, help="audit queries used (held-out ones "
+    a.add_argument("--queries", type=_positive_int, default=200, help="audit queries used (held-out ones "
                    "stored with the build when it has them)")
     a.add_argument("--audit-queries", type=Path, default=None,
                    help=".npy of held-out query vectors (n x dim) to audit (and tune) on, instead "
@@ -384,13 +384,15 @@ def cmd_list(args) -> int:
         for b in store.builds(name):
             try:
                 d = store.descriptor(name, b)
-            except IndexCorruptError as exc:  # one damaged build must not hide the others
-                print(f"  {'*' if b == live else ' '} {b}  DAMAGED: {exc}")
+                audit = f"recall@{d.audit['k']}={d.audit['recall']:.3f}" if d.audit else "not audited"
+                line = (f"{d.factory:<24} {d.chunks:>8} chunks  {d.shards} shard(s)  {audit}")
+            except (IndexCorruptError, KeyError, TypeError, ValueError) as exc:
+                # one damaged build must not hide the others
+                why = str(exc) or type(exc).__name__
+                print(f"  {'*' if b == live else ' '} {b}  DAMAGED: {why}")
                 damaged += 1
                 continue
-            audit = f"recall@{d.audit['k']}={d.audit['recall']:.3f}" if d.audit else "not audited"
-            print(f"  {'*' if b == live else ' '} {b}  {d.factory:<24} {d.chunks:>8} chunks  "
-                  f"{d.shards} shard(s)  {audit}")
+            print(f"  {'*' if b == live else ' '} {b}  {line}")
     return 1 if damaged else 0
 
 
@@ -458,10 +460,16 @@ def main(argv=None) -> None:
     from server.errors import SearchError
 
     try:
+        data_dir = getattr(args, "data_dir", None)
+        if data_dir is not None and Path(data_dir).exists() and not Path(data_dir).is_dir():
+            raise ValueError(f"--data-dir {data_dir} is not a directory")
         rc = COMMANDS[args.command](args)
-    except (SearchError, ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (SearchError, ValueError, FileNotFoundError, FileExistsError, IsADirectoryError,
+            NotADirectoryError) as exc:  # one line, not a traceback (outside QA)
         print(f"index-builder {args.command}: error: {exc}", file=sys.stderr)
         rc = 2
+    except BrokenPipeError:  # `index-builder list | head`
+        rc = 0
     sys.exit(rc)
 
 

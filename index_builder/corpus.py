@@ -88,7 +88,8 @@ def read_corpus(path: Path, default_tenant: str = "default",
                 meta = obj.get("metadata") or {}
                 if not isinstance(meta, dict):
                     raise ValueError("metadata must be an object")
-                nested = [k for k, v in meta.items() if isinstance(v, (dict, list)) or v is None]
+                meta = {k: v for k, v in meta.items() if v is not None}  # null: the key is absent
+                nested = [k for k, v in meta.items() if isinstance(v, (dict, list))]
                 if nested:
                     raise ValueError(f"metadata values must be strings, numbers or booleans "
                                      f"(filters match them as text); {nested[0]!r} is not")

@@ -30,6 +30,12 @@ class Unavailable(SearchError):
     """Not ready, or every replica of a needed shard failed."""
 
 
+class ReplicaOverloaded(Unavailable):
+    """A shard replica shed the call (its RESOURCE_EXHAUSTED): try another, but do not hold it
+    against the replica - refusals come in bursts exactly when capacity is short, and ejecting
+    replicas then would shrink it further."""
+
+
 class DeadlineExceeded(SearchError):
     """The request's deadline passed before it could be answered."""
 

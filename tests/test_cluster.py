@@ -235,7 +235,19 @@ def test_admission_counts_a_batch_by_its_queries_and_never_starves_single_search
             with pytest.raises(Overloaded, match="4 requests in flight"):
                 with gate.admit(1):
                     pass
+            with gate.admit(write=True):  # writes have their own budget (review: writes waiting
+                pass                      # on a slow log took every search's place)
     assert gate.requests == 0 and gate.batched_queries == 0
+    writes = [gate.admit(write=True) for _ in range(4)]
+    for w in writes:
+        w.__enter__()
+    with pytest.raises(Overloaded, match="4 writes in flight"):
+        with gate.admit(write=True):
+            pass
+    with gate.admit(1):  # a search is admitted beside writes stuck on their log
+        pass
+    for w in writes:
+        w.__exit__(None, None, None)
     with gate.admit(50):                      # larger than the budget, alone: admitted
         with pytest.raises(Overloaded):
             with gate.admit(2):
@@ -273,15 +285,18 @@ def test_a_batch_flood_is_shed_while_single_searches_answer(faulty_pair, tiny_em
 
 def test_a_shard_server_sheds_router_calls_beyond_its_max_inflight(faulty_pair, three_shard_build):
     """Outside QA: the shard role took --max-inflight and never checked it; 200 concurrent
-    calls to a shard started with --max-inflight 2 all queued."""
+    calls to a shard started with --max-inflight 2 all queued. A shard counts queries (a router
+    cuts batches into messages): --max-inflight 1 plus --max-inflight-batched-queries 1 is a
+    budget of 2 queries, and each call below carries 2."""
     from server.core.collection import CollectionStore
     from server.rpc import shard_pb2 as spb
     from server.rpc import shard_pb2_grpc as spb_grpc
 
-    slow, _ = faulty_pair("--inject-delay-prob", "1.0", "--inject-delay-ms", "600", "--max-inflight", "1")
+    slow, _ = faulty_pair("--inject-delay-prob", "1.0", "--inject-delay-ms", "600", "--max-inflight", "1",
+                          "--max-inflight-batched-queries", "1")
     build = CollectionStore(three_shard_build).live_build("cran1")
-    request = spb.ShardSearchRequest(queries=[spb.ShardQuery(build_id=build, tenant="default",
-                                                             text="slip flow", lexical_depth=5)])
+    query = spb.ShardQuery(build_id=build, tenant="default", text="slip flow", lexical_depth=5)
+    request = spb.ShardSearchRequest(queries=[query, query])
     with grpc.insecure_channel(slow.address) as ch:
         stub = spb_grpc.ShardServiceStub(ch)
         calls = [stub.SearchShard.future(request, timeout=20) for _ in range(4)]

@@ -7,7 +7,8 @@ import pytest
 
 from server.core.replicas import HedgePolicy, ReplicaSet
 from server.core.types import ShardQuery, ShardResult
-from server.errors import (CorpusVersionMismatch, DeadlineExceeded, InvalidArgument, Unavailable)
+from server.errors import (CorpusVersionMismatch, DeadlineExceeded, InvalidArgument, ReplicaOverloaded,
+                           Unavailable)
 
 
 class Replica:
@@ -69,6 +70,28 @@ def test_a_replica_that_is_down_is_ejected_not_tried_before_every_search():
     assert down.calls == HedgePolicy().eject_after  # then ejected for the rest of the second
     assert up.calls == 40 and rs.stats["ejections"] == 1
     assert rs.health[0].ewma_ms >= rs.health[1].ewma_ms  # its failures did not read as speed
+
+
+def test_an_overloaded_replica_is_retried_elsewhere_but_never_ejected_and_an_answer_ends_ejection():
+    """Review: shedding (RESOURCE_EXHAUSTED) comes in bursts when capacity is short, and ejecting
+    replicas for it would shrink capacity further; and a replica that answers again is back in
+    rotation at once, not after its ejection runs out."""
+    busy, up = Replica("busy", ReplicaOverloaded("shed")), Replica("up")
+    rs = ReplicaSet(0, [busy, up], HedgePolicy(enabled=False))
+
+    async def many(n):
+        for _ in range(n):
+            assert (await rs.search(Q, 5))[0].corpus_version == "v1"
+
+    run(many(20))
+    assert rs.stats["ejections"] == 0 and busy.calls >= 3
+    down = Replica("down", Unavailable("refused"))
+    rs = ReplicaSet(0, [down, Replica("other")], HedgePolicy(enabled=False))
+    run(many(5))
+    assert not rs.health[0].in_rotation(rs._clock())
+    down.behaviour = "ok"  # it recovers: the next call that reaches it (probation) answers
+    rs._success(0, 1.0)
+    assert rs.health[0].in_rotation(rs._clock())
 
 
 def test_when_every_replica_fails_the_error_sums_them_up():

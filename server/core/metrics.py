@@ -63,11 +63,16 @@ WRITE_GROUP = Histogram("search_write_group_size", "Writes applied per group com
 ORPHANS = Gauge("search_orphan_rows", "Rows of writes that never became live", ["collection", "shard"])
 STALENESS = Histogram("search_staleness_seconds", "ingested_at - source_modified_at of written "
                       "documents", buckets=tuple(0.01 * 2 ** i for i in range(24)))
-FRESHNESS = Histogram("search_write_visible_seconds", "Write received -> searchable: acknowledged "
-                      "(embedded), or appended to the log -> applied on this replica (replicas; "
-                      "across hosts this includes their clock difference)", buckets=LATENCY_BUCKETS)
-WRITES = Counter("search_writes_total", "Document writes by operation and outcome: a router counts "
-                 "appends (accepted), each replica what it applied (applied, noop)", ["op", "outcome"])
+FRESHNESS = Histogram("search_write_visible_seconds", "Write received -> searchable (acknowledged)",
+                      buckets=LATENCY_BUCKETS)
+WRITES = Counter("search_writes_total", "Document writes by operation and outcome", ["op", "outcome"])
+REPLICA_APPLIED = Counter("search_replica_applied_writes_total", "Log entries this replica applied, "
+                          "by operation and outcome (a router counts appends in "
+                          "search_writes_total)", ["op", "outcome"])
+REPLICA_VISIBLE = Histogram("search_replica_write_visible_seconds", "Appended to the log -> "
+                            "applied on this replica, while it follows the log (not its catch-up "
+                            "after a restart); across hosts this includes their clock difference",
+                            buckets=LATENCY_BUCKETS)
 RETRIEVAL_CACHE = Counter("search_retrieval_cache_total", "Retrieval cache lookups", ["result"])
 EMBED_CACHE = Counter("search_embedding_cache_total", "Query-embedding cache lookups", ["result"])
 

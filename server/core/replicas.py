@@ -44,7 +44,8 @@ import numpy as np
 from server.core import metrics
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
                                ShardWrite, WriteOutcome)
-from server.errors import DeadlineExceeded, FailedPrecondition, SearchError, Unavailable
+from server.errors import (DeadlineExceeded, FailedPrecondition, ReplicaOverloaded, SearchError,
+                           Unavailable)
 
 RETRYABLE = (Unavailable, DeadlineExceeded)
 WRONG_BUILD = re.compile(r"serves build (\S+), not (\S+)")
@@ -189,6 +190,7 @@ class ReplicaSet:
             h.sampled_at = now
         h.strikes = 0
         h.ejections = 0
+        h.ejected_until = 0.0  # an answer ends an ejection (a recovered replica is back at once)
 
     def mark_build(self, i: int, build_id: Optional[str], also_serves: Sequence[str] = ()) -> bool:
         """What replica i serves (from its answer or its ShardInfo): another build than the
@@ -219,7 +221,7 @@ class ReplicaSet:
         except SearchError as exc:
             if isinstance(exc, DeadlineExceeded):
                 self._strike(i, (time.perf_counter() - t0) * 1e3)
-            elif isinstance(exc, Unavailable):
+            elif isinstance(exc, Unavailable) and not isinstance(exc, ReplicaOverloaded):
                 self._strike(i, None)
             self._check_build(i, exc)
             metrics.SHARD_ERRORS.labels(str(self.shard_no), name, type(exc).__name__).inc()

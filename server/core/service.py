@@ -133,7 +133,7 @@ class SearchCore:
         if self.writes.log is None and not self.registry.get(w.collection).direct_writes:
             raise FailedPrecondition("this router's shards are replica sets and it has no write "
                                      "log: start it with --nats (replicated writes)")
-        with self.admission.admit():  # a write waiting on its log counts as in flight too
+        with self.admission.admit(write=True):  # its own budget: a slow log never blocks searches
             return await self.writes.write(w, tenant)
 
     async def compact(self, name: str) -> dict:

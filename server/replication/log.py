@@ -219,9 +219,9 @@ class ShardReplicator:
         # "accepted"), so each replica counts what it applied and how long after the append
         now = time.time()
         for w, e, out in zip(writes, entries, outcomes):
-            metrics.WRITES.labels(w.op, out.outcome).inc()
-            if e.appended_at and out.outcome == "applied":
-                metrics.FRESHNESS.observe(max(0.0, now - e.appended_at))
+            metrics.REPLICA_APPLIED.labels(w.op, out.outcome).inc()
+            if self.caught_up and e.appended_at and out.outcome == "applied":
+                metrics.REPLICA_VISIBLE.observe(max(0.0, now - e.appended_at))
         return len(entries)
 
     async def _report_lag(self) -> None:

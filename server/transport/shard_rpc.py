@@ -31,7 +31,7 @@ FROM_STATUS = {
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.Unavailable,  # that replica is overloaded: try another
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ReplicaOverloaded,  # try another, no strike
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
     grpc.StatusCode.CANCELLED: errors.Unavailable,
     grpc.StatusCode.DATA_LOSS: errors.IndexCorruptError,
@@ -90,14 +90,22 @@ class ShardAuth:
             raise errors.Unauthenticated("wrong router credential")
 
 
+def shard_admission(max_inflight: int, max_inflight_batched_queries: int) -> Admission:
+    """A router cuts a SearchBatch into messages of `batch_chunk` queries, so a shard counts
+    queries, not messages: one router at its own limits (its --max-inflight singles plus its
+    --max-inflight-batched-queries) always fits; several routers past that are shed."""
+    return Admission(None, max_inflight + max_inflight_batched_queries, count_singles=True,
+                     what="shard: ")
+
+
 class ShardServicer(spb_grpc.ShardServiceServicer):
     """Serves one shard (a LocalShard, or a fault-injecting wrapper of one) to routers."""
 
     def __init__(self, shard, lifecycle: Lifecycle, auth: ShardAuth, status=None,
                  admission: Optional[Admission] = None):
         self.shard = shard
-        # routers' search calls are shed here as a front end sheds its callers' (--max-inflight)
-        self.admission = admission or Admission(256, 2048)
+        # routers' search calls are shed here by their queries (shard_server.shard_admission)
+        self.admission = admission or shard_admission(256, 2048)
         # after an alias flip, the build served before, for a grace period: a router that has
         # not followed the flip yet still reads it (shard_server.ShardReplica.follow_aliases)
         self.previous = None

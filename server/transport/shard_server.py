@@ -18,11 +18,11 @@ from typing import Optional
 
 from server.backends.device import Device
 from server.config import ServerConfig
-from server.core.admission import Admission
 from server.core.collection import CollectionStore
 from server.core.engine.local import EnginePools, LocalShard
 from server.core.faults import FaultSpec, FaultyShard
 from server.errors import SearchError
+from server.transport.shard_rpc import shard_admission
 
 log = logging.getLogger(__name__)
 RETIRE_AFTER_S = 60.0
@@ -162,8 +162,9 @@ async def serve_shard(cfg: ServerConfig, device: Device) -> None:
     running = await app.start_shard_server(replica.served, cfg.listen.host, cfg.listen.port, tls,
                                            token, replica.status,
                                            serving=replica.replicator is None,
-                                           admission=Admission(cfg.listen.max_inflight,
-                                                               cfg.listen.max_inflight_batched_queries))
+                                           admission=shard_admission(
+                                               cfg.listen.max_inflight,
+                                               cfg.listen.max_inflight_batched_queries))
     tasks = []
     loop = asyncio.get_running_loop()
     if replica.replicator is not None:
