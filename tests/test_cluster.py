@@ -186,11 +186,16 @@ def test_an_expired_deadline_is_enforced_by_the_router_itself(faulty_pair, tiny_
         router.stop()
 
 
+def slow_router(faulty_pair, tiny_embedder, delay_ms: int, **listen):
+    """A router over two replicas that each take `delay_ms` per call, hedging off."""
+    delay = ("--inject-delay-prob", "1.0", "--inject-delay-ms", str(delay_ms))
+    slow_a, slow_b = faulty_pair(*delay, flags_b=delay)
+    return start_router(tiny_embedder, "cran1", [[slow_a.address, slow_b.address]],
+                        HedgePolicy(enabled=False), listen=listen)
+
+
 def test_overload_is_shed_with_resource_exhausted(faulty_pair, tiny_embedder):
-    slow_a, slow_b = faulty_pair("--inject-delay-prob", "1.0", "--inject-delay-ms", "400",
-                                 flags_b=("--inject-delay-prob", "1.0", "--inject-delay-ms", "400"))
-    router = start_router(tiny_embedder, "cran1", [[slow_a.address, slow_b.address]],
-                          HedgePolicy(enabled=False), listen={"max_inflight": 2})
+    router = slow_router(faulty_pair, tiny_embedder, 400, max_inflight=2)
     try:
         stub = stub_for(router.address)
         codes = []
@@ -257,10 +262,7 @@ def test_admission_counts_a_batch_by_its_queries_and_never_starves_single_search
 def test_a_batch_flood_is_shed_while_single_searches_answer(faulty_pair, tiny_embedder):
     from server.core import metrics
 
-    slow_a, slow_b = faulty_pair("--inject-delay-prob", "1.0", "--inject-delay-ms", "600",
-                                 flags_b=("--inject-delay-prob", "1.0", "--inject-delay-ms", "600"))
-    router = start_router(tiny_embedder, "cran1", [[slow_a.address, slow_b.address]],
-                          HedgePolicy(enabled=False), listen={"max_inflight_batched_queries": 4})
+    router = slow_router(faulty_pair, tiny_embedder, 600, max_inflight_batched_queries=4)
     try:
         stub = stub_for(router.address)
         batch = pb.SearchBatchRequest(queries=[pb.SearchRequest(collection="cran1", text=q, top_k=5)
