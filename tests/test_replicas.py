@@ -92,6 +92,10 @@ def test_an_overloaded_replica_is_retried_elsewhere_but_never_ejected_and_an_ans
     down.behaviour = "ok"  # it recovers: the next call that reaches it (probation) answers
     rs._success(0, 1.0)
     assert rs.health[0].in_rotation(rs._clock())
+    for _ in range(HedgePolicy().eject_after):  # slow (stopped): its first answers are backlog,
+        rs._strike(0, 2000.0)                   # so it serves out its ejection
+    rs._success(0, 2000.0)
+    assert not rs.health[0].in_rotation(rs._clock())
 
 
 def test_when_every_replica_fails_the_error_sums_them_up():

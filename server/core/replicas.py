@@ -105,6 +105,7 @@ class ReplicaHealth:
     strikes: int = 0              # timeouts / lost hedges in a row
     ejections: int = 0            # ejections in a row (reset by a success)
     ejected_until: float = 0.0
+    ejected_down: bool = False    # ejected for failing at once (down), not for being slow
     other_build: Optional[str] = None
 
     def in_rotation(self, now: float) -> bool:
@@ -177,6 +178,7 @@ class ReplicaSet:
         if h.strikes >= self.policy.eject_after and others:
             ms = min(self.policy.eject_ms * 2 ** h.ejections, self.policy.eject_max_ms)
             h.ejected_until = now + ms / 1e3
+            h.ejected_down = elapsed_ms is None
             h.ejections += 1
             h.strikes = 0
             self.stats["ejections"] += 1
@@ -190,7 +192,11 @@ class ReplicaSet:
             h.sampled_at = now
         h.strikes = 0
         h.ejections = 0
-        h.ejected_until = 0.0  # an answer ends an ejection (a recovered replica is back at once)
+        if h.ejected_down:
+            # a replica that was down and answers again is back at once; one ejected for being
+            # slow (stopped, overloaded) serves out its period: the answers that arrive first
+            # are its backlog, and it is still slow while it works through it
+            h.ejected_until, h.ejected_down = 0.0, False
 
     def mark_build(self, i: int, build_id: Optional[str], also_serves: Sequence[str] = ()) -> bool:
         """What replica i serves (from its answer or its ShardInfo): another build than the
