@@ -16,6 +16,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 DATA_DIR_DEFAULT = Path(os.environ.get("SEARCH_DATA_DIR", "data"))
 
@@ -129,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--build", required=True)
     pub.add_argument("--min-recall", type=_fraction, default=None,
                      help="override the threshold stored with the audit")
+    pub.add_argument("--state-dir", type=Path, default=None,
+                     help="the servers' state directory (default: DATA_DIR/.state), checked for "
+                          "streaming writes of another model than the build's")
+    pub.add_argument("--allow-model-change", action="store_true",
+                     help="publish although the state holds writes embedded with another model: "
+                          "servers switching re-embed them, so each needs the build's embedder")
 
     ls = sub.add_parser("list", help="list collections and builds")
     ls.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT)
@@ -276,6 +283,10 @@ def cmd_build(args) -> int:
             if not (audit["passed"] and recon["passed"]):
                 print("not published: the audit failed", file=sys.stderr)
                 return 1
+            refusal = model_change_refusal(Path(args.data_dir) / ".state", args.collection, desc)
+            if refusal:
+                print(f"not published: {refusal}", file=sys.stderr)
+                return 1
             store.publish(args.collection, desc.build_id)
             print(f"published: {args.collection} -> {desc.build_id}")
     return 0
@@ -353,11 +364,53 @@ def _is_live(store, collection: str, build: str) -> bool:
         return False
 
 
+def writes_of_other_models(state_root: Path, collection: str, desc) -> dict[str, int]:
+    """Streaming writes in this host's state of `collection` (any build but `desc`'s) embedded
+    with another model than `desc`'s: a server switching to `desc` replays them, re-embedding
+    each, which needs `desc`'s embedder."""
+    from server.backends.docstore import DocStore
+
+    counts: dict[str, int] = {}
+    for db in sorted((Path(state_root) / collection).glob("*/shard-*/docstore.sqlite")):
+        if db.parent.parent.name == desc.build_id:
+            continue
+        store = DocStore(db, read_only=True)
+        try:
+            for model, n in store.write_models().items():
+                if model != desc.model_id:
+                    counts[model] = counts.get(model, 0) + n
+        finally:
+            store.close()
+    return counts
+
+
+def model_change_refusal(state_root: Path, collection: str, desc) -> Optional[str]:
+    """Why publishing `desc` is refused without --allow-model-change (None: it is not). Outside
+    QA: such a build was published, servers without its embedder refused the switch, and after a
+    restart refused to start - every collection of that data directory down."""
+    others = writes_of_other_models(state_root, collection, desc)
+    if not others:
+        return None
+    held = ", ".join(f"{n} of model {m!r}" for m, n in sorted(others.items()))
+    return (f"build {desc.build_id} embeds with {desc.model_id!r}, but the servers' state holds "
+            f"streaming writes embedded with another model ({held}). A server switching to it "
+            f"must re-embed them: one without that model's embedder refuses the switch, and after "
+            f"a restart refuses to start. Publish it with `index-builder publish --build "
+            f"{desc.build_id} --allow-model-change` once every server loads the embedder of "
+            f"{desc.model_id!r}.")
+
+
 def cmd_publish(args) -> int:
     from server.core.collection import CollectionStore
 
-    alias = CollectionStore(args.data_dir).publish(args.collection, args.build,
-                                                   min_recall=args.min_recall)
+    store = CollectionStore(args.data_dir)
+    refusal = None if args.allow_model_change else model_change_refusal(
+        args.state_dir or Path(args.data_dir) / ".state", args.collection,
+        store.descriptor(args.collection, args.build))
+    if refusal:
+        print(f"index-builder publish: error: {refusal}", file=sys.stderr)
+        return 2
+    alias = store.publish(args.collection, args.build, min_recall=args.min_recall)
     print(f"published: {args.collection} -> {alias['live']} (previous: {alias['previous']})")
     return 0
 

@@ -412,3 +412,40 @@ def test_knobs_out_of_range_are_refused_before_anything_is_built(tmp_path, flags
     out = cli("build", "--data-dir", tmp_path, "--collection", "x", "--corpus", corpus, *flags)
     assert out.returncode == 2 and problem in out.stderr, out.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_publish_refuses_a_build_of_another_model_than_the_writes_servers_hold(tmp_path, tiny_embedder,
+                                                                               cranfield_docs):
+    """Outside QA: a build of another model was published over a collection whose servers held
+    streaming writes; a server without that model's embedder refused the switch, and after a
+    restart refused to start, taking every collection of its data directory down."""
+    import grpc
+    import numpy as np
+
+    from conftest import publish_build, start_core_server
+    from index_builder.build import audit_build, build_collection
+    from server.core.collection import CollectionStore
+    from server.rpc import search_pb2 as pb
+    from server.rpc import search_pb2_grpc as pb_grpc
+
+    first = publish_build(tmp_path, "c", cranfield_docs[:20], tiny_embedder)
+    srv = start_core_server(tmp_path, tiny_embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            pb_grpc.SearchServiceStub(ch).UpsertDocument(pb.UpsertDocumentRequest(
+                collection="c", doc_id="streamed", version=1, text="a streamed write"), timeout=30)
+    finally:
+        srv.stop()
+    store = CollectionStore(tmp_path)
+    vectors = np.random.default_rng(0).standard_normal((20, first.dim)).astype(np.float32)
+    other = build_collection(cranfield_docs[:20], store, "c", None, "Flat", quiet=True,
+                             vectors=vectors, model_id="someone-elses-model@1")
+    audit_build(store, "c", other.build_id)
+    out = cli("publish", "--data-dir", tmp_path, "--collection", "c", "--build", other.build_id)
+    assert out.returncode == 2, out.stdout
+    assert f"holds streaming writes embedded with another model (1 of model {first.model_id!r})" in out.stderr
+    assert store.live_build("c") == first.build_id  # nothing changed
+    out = cli("publish", "--data-dir", tmp_path, "--collection", "c", "--build", other.build_id,
+              "--allow-model-change")
+    assert out.returncode == 0, out.stderr
+    assert store.live_build("c") == other.build_id

@@ -407,6 +407,12 @@ class DocStore:
             out.append(LoggedWrite(s, ls, op, t, d, v, json.loads(b), chunks, vectors, m))
         return out
 
+    def write_models(self) -> dict[str, int]:
+        """Logged upserts that carry vectors, by the model that embedded them."""
+        return dict(self._conn().execute(
+            "SELECT model_id, count(*) FROM writes WHERE op != 'delete' AND vectors IS NOT NULL "
+            "GROUP BY model_id"))
+
     def last_write_seq(self) -> int:
         return self._conn().execute("SELECT coalesce(max(seq), 0) FROM writes").fetchone()[0]
 
