@@ -449,3 +449,24 @@ def test_publish_refuses_a_build_of_another_model_than_the_writes_servers_hold(t
               "--allow-model-change")
     assert out.returncode == 0, out.stderr
     assert store.live_build("c") == other.build_id
+
+
+def test_an_audit_never_falls_back_to_held_in_queries_when_the_builds_own_are_gone(tmp_path):
+    """Outside QA: deleting a build's audit_queries.npy made the audit use a held-in sample of
+    the index's own vectors (which flatters ANN recall), silently."""
+    import numpy as np
+
+    from index_builder.build import AUDIT_QUERIES, audit_build, build_collection
+    from index_builder.corpus import Document
+    from server.core.collection import CollectionStore
+    from server.errors import IndexCorruptError
+
+    rng = np.random.default_rng(3)
+    store = CollectionStore(tmp_path)
+    desc = build_collection([Document(f"d{i}", f"doc {i}") for i in range(300)], store, "q", None,
+                            "Flat", quiet=True, vectors=rng.standard_normal((300, 8)).astype(np.float32),
+                            model_id="m", audit_queries=rng.standard_normal((20, 8)).astype(np.float32))
+    assert audit_build(store, "q", desc.build_id)["query_source"] == "held-out (build)"
+    (store.build_dir("q", desc.build_id) / AUDIT_QUERIES).unlink()
+    with pytest.raises(IndexCorruptError, match=f"held-out audit queries, but .*{AUDIT_QUERIES} is missing"):
+        audit_build(store, "q", desc.build_id)

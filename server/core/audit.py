@@ -45,6 +45,10 @@ def _queries(store: CollectionStore, desc: ReleaseDescriptor, shards, queries, n
     path = store.build_dir(desc.collection, desc.build_id) / AUDIT_QUERIES
     if path.is_file():
         return np.ascontiguousarray(np.load(path)[:max(n, 1)], np.float32), "held-out (build)"
+    if desc.audit_queries:  # outside QA: a deleted file made the audit fall back, silently, to
+        # the flattering held-in sample its build was made to avoid
+        raise IndexCorruptError(f"build {desc.build_id} was made with held-out audit queries, "
+                                f"but {path} is missing; rebuild, or audit with --audit-queries")
     rng = np.random.default_rng(seed)
     allv = np.concatenate([np.asarray(v) for _, v in shards])
     pick = rng.choice(len(allv), size=min(n, len(allv)), replace=False)
