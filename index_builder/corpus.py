@@ -89,10 +89,10 @@ def read_corpus(path: Path, default_tenant: str = "default",
                 if not isinstance(meta, dict):
                     raise ValueError("metadata must be an object")
                 meta = {k: v for k, v in meta.items() if v is not None}  # null: the key is absent
-                nested = [k for k, v in meta.items() if isinstance(v, (dict, list))]
-                if nested:
-                    raise ValueError(f"metadata values must be strings, numbers or booleans "
-                                     f"(filters match them as text); {nested[0]!r} is not")
+                # values are text, as the write API's; a list or object (BEIR's authors, say) is
+                # kept as its JSON, not as Python's repr of it (outside QA)
+                meta = {k: json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+                        if isinstance(v, (dict, list)) else v for k, v in meta.items()}
                 acl = obj.get("acl") or []
                 if not isinstance(acl, list) or not all(isinstance(a, str) for a in acl):
                     raise ValueError("acl must be a list of scope names")
