@@ -1,6 +1,7 @@
 """Admission control: what a server refuses at once (RESOURCE_EXHAUSTED) instead of queueing.
 
-Two budgets. Requests in flight (`--max-inflight`) bound every call - searches, batches, writes.
+Two budgets. Requests in flight (`--max-inflight`) bound searches and batches; writes have a
+budget of that size of their own (a write waiting on a slow log must not take a search's place).
 Queries of multi-query requests in flight (`--max-inflight-batched-queries`) bound batches by
 what they cost: a SearchBatch of 1,024 queries is 1,024 searches' work, and counted as one
 request it let a flood of batches queue ~60,000 queries behind which a single Search waited out
