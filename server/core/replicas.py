@@ -3,8 +3,9 @@
 Policy, in order:
 1. **Rotation**: a replica serving another build than the router's (it answered "serves build X")
    is out of rotation until a re-read of its ShardInfo shows the router's build again; a replica
-   whose calls time out, stall or fail UNAVAILABLE (it is down, refusing connections, catching
-   up or overloaded) is ejected for a while (`eject_ms`, doubling on each ejection
+   whose calls time out, stall or fail UNAVAILABLE (it is down, refusing connections, or
+   catching up; a call it shed as overloaded is retried elsewhere without counting against it)
+   is ejected for a while (`eject_ms`, doubling on each ejection
    in a row up to `eject_max_ms`), then taken back on probation. When no replica is in rotation,
    all of them are tried rather than none.
 2. **Pick**: among replicas in rotation, the lowest (outstanding calls + 1) x recent latency
