@@ -118,9 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the audit fails below this recall@10 (default %(default)s)")
     a.add_argument("--target-recall", type=_fraction, default=None,
                    help="also tune the search knobs to the cheapest setting meeting this recall")
-    a.add_argument("--state-dir", type=Path, default=None,
-                   help="where servers keep this collection's state (default: DATA_DIR/.state): "
-                        "the reconciliation checks what a server would load from it")
+    _state_dir_flag(a, "the reconciliation checks what a server would load from it")
     a.add_argument("--no-record", action="store_true",
                    help="print the result without writing it into the build's descriptor (a "
                         "check of a published build, e.g. on a read-only volume)")
@@ -130,9 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--build", required=True)
     pub.add_argument("--min-recall", type=_fraction, default=None,
                      help="override the threshold stored with the audit")
-    pub.add_argument("--state-dir", type=Path, default=None,
-                     help="the servers' state directory (default: DATA_DIR/.state), checked for "
-                          "streaming writes of another model than the build's")
+    _state_dir_flag(pub, "checked for streaming writes of another model than the build's")
     pub.add_argument("--allow-model-change", action="store_true",
                      help="publish although the state holds writes embedded with another model: "
                           "servers switching re-embed them, so each needs the build's embedder")
@@ -188,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--out", type=Path, required=True)
     dc.add_argument("--limit", type=_positive_int, default=None)
     return p
+
+
+def _state_dir_flag(parser, why: str) -> None:
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="where servers keep this collection's state (default: "
+                             f"DATA_DIR/.state): {why}")
 
 
 def _tls_flags(parser) -> None:
@@ -419,10 +421,8 @@ def cmd_list(args) -> int:
     from server.core.collection import CollectionStore
     from server.errors import IndexCorruptError
 
-    if not Path(args.data_dir).is_dir():  # a typo listed nothing and exited 0
-        print(f"data directory {args.data_dir} "
-              f"{'is not a directory' if Path(args.data_dir).exists() else 'does not exist'}",
-              file=sys.stderr)
+    if not Path(args.data_dir).exists():  # a typo listed nothing and exited 0 (a file: main)
+        print(f"data directory {args.data_dir} does not exist", file=sys.stderr)
         return 2
     store = CollectionStore(args.data_dir)
     names = [args.collection] if args.collection else store.collections(unpublished=True)

@@ -49,9 +49,10 @@ class ListenConfig:
     shutdown_grace_s: float = opt(5.0, "on SIGTERM: seconds in-flight calls get to finish (new calls "
                                        "and calls still running after it are answered UNAVAILABLE, "
                                        "which clients retry)")
-    max_inflight: int = opt(256, "admission control: requests beyond this many in flight get "
-                                 "RESOURCE_EXHAUSTED at once (searches, batches and writes; on a "
-                                 "shard server, router calls)", minimum=1)
+    max_inflight: int = opt(256, "admission control: searches and batches beyond this many in "
+                                 "flight get RESOURCE_EXHAUSTED at once (writes have a budget of "
+                                 "this size of their own; a shard server counts routers' queries "
+                                 "against this plus --max-inflight-batched-queries)", minimum=1)
     max_inflight_batched_queries: int = opt(
         2048, "admission control by cost: a multi-query request (SearchBatch; a router's shard "
               "call) that would bring the queries of such requests in flight past this many gets "

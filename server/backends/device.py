@@ -17,7 +17,7 @@ from typing import Optional
 
 import faiss
 
-from .gpu_exact import place_flat_on_torch
+from .gpu_exact import place_flat_on_torch, torch_gpu_count
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +71,6 @@ def faiss_gpu_failure(probe: str = _GPU_PROBE, timeout_s: float = 120.0) -> Opti
     return verdict
 
 
-def _torch_cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
-
-
 @dataclass
 class Device:
     """Where indexes and models run. `prefer` is "auto", "cpu" or "cuda"."""
@@ -96,7 +87,7 @@ class Device:
             raise ValueError(f"device must be auto, cpu or cuda, not {self.prefer!r}")
         use_gpu = self.prefer != "cpu"
         self.faiss_seen = _faiss_gpu_count() if use_gpu else 0
-        self.torch_cuda = _torch_cuda() if use_gpu else False
+        self.torch_cuda = torch_gpu_count() > 0 if use_gpu else False
         if self.prefer == "cuda" and not (self.torch_cuda or self.faiss_gpus):
             why = f" (faiss sees {self.faiss_seen} but {self._faiss_unusable})" if self.faiss_seen else ""
             raise RuntimeError(f"device=cuda was asked for, but neither faiss nor torch can use a GPU{why}")

@@ -104,8 +104,14 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
     def __init__(self, shard, lifecycle: Lifecycle, auth: ShardAuth, status=None,
                  admission: Optional[Admission] = None):
         self.shard = shard
-        # routers' search calls are shed here by their queries (shard_server.shard_admission)
-        self.admission = admission or shard_admission(256, 2048)
+        # routers' search calls are shed here by their queries (the listener's defaults unless
+        # the shard role passes its configured ones)
+        if admission is None:
+            from server.config import ListenConfig
+
+            listen = ListenConfig()
+            admission = shard_admission(listen.max_inflight, listen.max_inflight_batched_queries)
+        self.admission = admission
         # after an alias flip, the build served before, for a grace period: a router that has
         # not followed the flip yet still reads it (shard_server.ShardReplica.follow_aliases)
         self.previous = None
