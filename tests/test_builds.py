@@ -659,3 +659,69 @@ def test_publishing_the_live_build_again_keeps_its_rollback_target(tmp_path, tin
     store = CollectionStore(tmp_path)
     assert store.publish("c", b.build_id) == {"live": b.build_id, "previous": a.build_id}
     assert store.alias("c") == {"live": b.build_id, "previous": a.build_id}
+
+
+def test_a_collection_whose_build_fails_to_load_leaves_the_others_served(two_builds, tiny_embedder,
+                                                                         cranfield_docs):
+    """Regression (outside QA): one collection whose live build could not load (a damaged file)
+    stopped the server from starting, taking every other collection of the data directory down.
+    Now the others are served, the damaged one answers UNAVAILABLE naming the file, and it is
+    served again once a working build of it is published."""
+    import time
+
+    from prometheus_client import REGISTRY
+
+    from conftest import publish_build
+
+    store, a, b = two_builds
+    publish_build(store.data_dir, "ok", docs("ok", cranfield_docs, 20), tiny_embedder)
+    damaged = store.build_dir("c", a.build_id) / "shard-000" / "vectors.npy"
+    with open(damaged, "r+b") as f:
+        f.truncate(damaged.stat().st_size - 64)
+    srv = start_core_server(store.data_dir, tiny_embedder)
+    watcher = asyncio.run_coroutine_threadsafe(srv.core.builds.watch_aliases(0.1), srv.loop)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+
+            def search(collection):
+                return stub.Search(pb.SearchRequest(collection=collection, text="boundary layer",
+                                                    top_k=3), timeout=30)
+
+            assert len(search("ok").hits) == 3
+            with pytest.raises(grpc.RpcError) as err:
+                search("c")
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert a.build_id in err.value.details() and str(damaged) in err.value.details()
+            assert REGISTRY.get_sample_value("search_collection_unloadable", {"collection": "c"}) == 1
+            from index_builder.build import audit_build
+
+            audit_build(store, "c", b.build_id)
+            store.publish("c", b.build_id)  # a working build: served without a restart
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    answer = search("c")
+                    break
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+                    time.sleep(0.1)
+            assert answer.build_id == b.build_id and len(answer.hits) == 3
+            assert REGISTRY.get_sample_value("search_collection_unloadable", {"collection": "c"}) == 0
+    finally:
+        watcher.cancel()
+        srv.stop()
+
+
+def test_a_server_whose_every_collection_fails_to_load_does_not_start(two_builds, tiny_embedder):
+    """With nothing it could serve, the load raises the failure (naming the file) instead of
+    starting a server that answers nothing."""
+    from conftest import make_core
+    from server.errors import IndexCorruptError
+
+    store, a, _ = two_builds
+    damaged = store.build_dir("c", a.build_id) / "shard-001" / "vectors.npy"
+    with open(damaged, "r+b") as f:
+        f.truncate(damaged.stat().st_size - 64)
+    with pytest.raises(IndexCorruptError, match=str(damaged)):
+        make_core(store.data_dir, tiny_embedder).load()

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 from server.backends.device import Device
 from server.backends.docstore import DocStore, LoggedWrite
 from server.config import ServerConfig
+from server.core import metrics
 from server.core.chunking import Chunk, embed_text, shard_of
 from server.core.collection import CollectionStore, atomic_write, shard_dir_name
 from server.core.encoders import Encoders
@@ -30,7 +31,7 @@ from server.core.engine.state import check_writable, state_shard_dir
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import ShardWrite
 from server.core.writes import WritePath
-from server.errors import FailedPrecondition, SearchError
+from server.errors import FailedPrecondition, SearchError, is_panic
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class BuildManager:
         self.device = device
         self._retired: dict[tuple[str, str], tuple[asyncio.Task, LoadedCollection]] = {}
         self._switching: dict[str, asyncio.Lock] = {}
+        # collections left out because their live build failed to load: name -> that build
+        self._unloadable: dict[str, Optional[str]] = {}
+        self._failed_switch: dict[str, str] = {}  # name -> the published build a switch failed to
         self.on_switch = None  # async callback(collection) after a switch (an engine tells its front ends)
 
     # --- loading -----------------------------------------------------------------------------
@@ -72,27 +76,75 @@ class BuildManager:
         return LoadedCollection(desc, shards)
 
     def load_all(self, names: Sequence[str] = ()) -> None:
+        """Load every served collection's live build. A collection whose build fails to load is
+        left out, its callers answered UNAVAILABLE with the reason, and retried once its alias
+        moves (a fixed build published, a rollback): one damaged build must not take the other
+        collections of the data directory down. Only when nothing loads does this raise (the
+        first failure), so a server with nothing to serve does not start."""
         if not self.store.data_dir.is_dir():  # a typo served nothing, silently
             what = "is not a directory" if self.store.data_dir.exists() else "does not exist"
             raise FailedPrecondition(
                 f"data directory {self.store.data_dir} {what}: fix --data-dir, or create it (an "
                 "empty one serves nothing until index-builder publishes a build into it)")
         check_writable(self.state_root)
+        failures = []
         for name in names or self.store.collections():
-            if self.store.writable:
-                self.store.sweep_abandoned(name)  # staging dirs of killed builds and compactions
-            loaded = self.open_build(name)
+            build_id = self._live_or_none(name)
+            try:
+                if self.store.writable:
+                    self.store.sweep_abandoned(name)  # staging dirs of killed builds and compactions
+                loaded = self.open_build(name)
+            except BaseException as exc:
+                if not (isinstance(exc, Exception) or is_panic(exc)):
+                    raise
+                failures.append(exc)
+                self._unloadable_now(name, build_id, exc)
+                continue
             self.registry.put(loaded)
             log.info("loaded %s build %s (%d shards, %d chunks, model %s)", name,
                      loaded.desc.build_id, loaded.desc.shards, loaded.desc.chunks, loaded.desc.model_id)
+        if failures and not self.registry.names():
+            raise failures[0]
+
+    def _live_or_none(self, name: str) -> Optional[str]:
+        try:
+            return self.store.live_build(name)
+        except (SearchError, OSError, ValueError, KeyError):
+            return None
+
+    def _unloadable_now(self, name: str, build_id: Optional[str], exc: BaseException) -> None:
+        """Record that `name` cannot be served from `build_id` (its live build, None when even
+        the alias is unreadable): callers hear why, the alias watcher retries once it moves."""
+        what = f"its live build {build_id}" if build_id else "its alias"
+        why = f"{what} failed to load ({type(exc).__name__}: {exc})"
+        if self._unloadable.get(name, ()) != build_id:  # once per build, not per poll
+            log.error("not serving collection %s: %s; the other collections are served, and "
+                      "%s is loaded again once a build of it is published or rolled back to",
+                      name, why, name)
+        self._unloadable[name] = build_id
+        self.registry.mark_unloadable(name, why + "; publish a working build or roll back")
+        metrics.COLLECTION_UNLOADABLE.labels(name).set(1)
+
+    def _loadable_again(self, name: str) -> None:
+        if self._unloadable.pop(name, ()) != ():
+            metrics.COLLECTION_UNLOADABLE.labels(name).set(0)
 
     async def start(self) -> None:
         """Before serving: replay writes the live build may have missed - it was published while
         the server was down (once or several times: the build this state last served is the
         source, not the alias's `previous`, which may never have served), or the server stopped
-        mid-switch."""
+        mid-switch. A collection whose replay fails is left out as one whose build failed to
+        load; only when none is left does this raise."""
+        failures = []
         for loaded in self.registry:
-            await self._catch_up(loaded)
+            try:
+                await self._catch_up(loaded)
+            except (SearchError, OSError) as exc:
+                failures.append(exc)
+                await asyncio.gather(*(s.close() for s in loaded.shards))
+                self._unloadable_now(loaded.name, loaded.desc.build_id, exc)
+        if failures and not self.registry.names():
+            raise failures[0]
 
     async def _catch_up(self, loaded: LoadedCollection) -> None:
         name, builds = loaded.name, self.store.builds(loaded.name)
@@ -265,6 +317,7 @@ class BuildManager:
             raise
         log.info("%s now serves build %s (was %s; %d writes replayed)", name, build_id,
                  old.desc.build_id, replayed)
+        self._failed_switch.pop(name, None)
         self._retire(old)
         if self.on_switch is not None:
             await self.on_switch(name)
@@ -316,31 +369,46 @@ class BuildManager:
             await asyncio.sleep(interval)
             await self._load_new_collections()
             for name in self.registry.names():
+                live = self._live_or_none(name)
+                if live is None or live == self.registry.get(name).desc.build_id:
+                    continue
                 try:
-                    if self.store.live_build(name) != self.registry.get(name).desc.build_id:
-                        await self.switch_build(name)
-                except SearchError as exc:
-                    log.error("cannot switch %s to its published build: %s", name, exc)
+                    await self.switch_build(name)
+                except BaseException as exc:  # a damaged build (OSError, a panic): keep watching
+                    if not (isinstance(exc, Exception) or is_panic(exc)):
+                        raise
+                    if self._failed_switch.get(name) != live:  # once per build, not per poll
+                        log.error("cannot switch %s to its published build %s (still serving "
+                                  "%s): %s", name, live, self.registry.get(name).desc.build_id, exc)
+                    self._failed_switch[name] = live
 
     async def _load_new_collections(self) -> None:
+        """Serve collections published since the start, and those whose build failed to load
+        once their alias moves to another build."""
         wanted = self.config.storage.collection
         served = set(self.registry.names())
-        for name in self.store.collections():
+        for name in dict.fromkeys([*self.store.collections(), *self._unloadable]):
             if name in served or (wanted and name not in wanted):
                 continue
+            build_id = self._live_or_none(name)
+            if name in self._unloadable and self._unloadable[name] == build_id:
+                continue  # the build that failed: tried again once the alias moves
             try:
                 loaded = await asyncio.get_running_loop().run_in_executor(None, self.open_build, name)
-            except (SearchError, OSError, ValueError) as exc:
-                log.error("cannot serve newly published collection %s: %s", name, exc)
+            except BaseException as exc:
+                if not (isinstance(exc, Exception) or is_panic(exc)):
+                    raise
+                self._unloadable_now(name, build_id, exc)
                 continue
             try:
                 await self._catch_up(loaded)  # as at a start: this state may have served it
             except (SearchError, OSError) as exc:
-                log.error("cannot serve newly published collection %s: %s", name, exc)
                 await asyncio.gather(*(s.close() for s in loaded.shards))
+                self._unloadable_now(name, loaded.desc.build_id, exc)
                 continue
             self.registry.put(loaded)
-            log.info("serving newly published collection %s build %s (%d shards)", name,
+            self._loadable_again(name)
+            log.info("serving collection %s build %s (%d shards)", name,
                      loaded.desc.build_id, loaded.desc.shards)
             if self.on_switch is not None:  # an engine tells its front ends
                 await self.on_switch(name)

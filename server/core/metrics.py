@@ -73,6 +73,8 @@ REPLICA_VISIBLE = Histogram("search_replica_write_visible_seconds", "Appended to
                             "applied on this replica, while it follows the log (not its catch-up "
                             "after a restart); across hosts this includes their clock difference",
                             buckets=LATENCY_BUCKETS)
+COLLECTION_UNLOADABLE = Gauge("search_collection_unloadable", "1 while a collection is not served "
+                              "because its live build failed to load", ["collection"])
 RETRIEVAL_CACHE = Counter("search_retrieval_cache_total", "Retrieval cache lookups", ["result"])
 EMBED_CACHE = Counter("search_embedding_cache_total", "Query-embedding cache lookups", ["result"])
 

@@ -10,7 +10,7 @@ from typing import Iterator
 
 from server.core.collection import ReleaseDescriptor, check_name
 from server.core.shard_api import Shard
-from server.errors import FailedPrecondition, NotFound
+from server.errors import FailedPrecondition, NotFound, Unavailable
 
 
 @dataclass
@@ -30,11 +30,17 @@ class LoadedCollection:
 class CollectionRegistry:
     def __init__(self):
         self._by_name: dict[str, LoadedCollection] = {}
+        # collections this process should serve but whose live build failed to load: their
+        # callers hear why (UNAVAILABLE), not that the collection does not exist
+        self._unloadable: dict[str, str] = {}
 
     def get(self, name: str) -> LoadedCollection:
         check_name(name)
         loaded = self._by_name.get(name)
         if loaded is None:
+            why = self._unloadable.get(name)
+            if why is not None:
+                raise Unavailable(f"collection {name!r} is not serving: {why}")
             raise NotFound(f"collection {name!r} is not served here "
                            f"(serving: {sorted(self._by_name) or 'none'})")
         return loaded
@@ -44,6 +50,16 @@ class CollectionRegistry:
             raise FailedPrecondition(f"{loaded.name}: build {loaded.desc.build_id} has "
                                      f"{loaded.desc.shards} shards; got {len(loaded.shards)}")
         self._by_name[loaded.name] = loaded
+        self._unloadable.pop(loaded.name, None)
+
+    def mark_unloadable(self, name: str, why: str) -> None:
+        """`name` is not served (its entry, if any, is dropped); `get` answers UNAVAILABLE with
+        `why` until a build of it is put."""
+        self._by_name.pop(name, None)
+        self._unloadable[name] = why
+
+    def unloadable(self) -> dict[str, str]:
+        return dict(self._unloadable)
 
     def names(self) -> list[str]:
         return sorted(self._by_name)

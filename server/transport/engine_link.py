@@ -90,6 +90,8 @@ class EngineServer:
             return await core.registry.get(collection).shards[shard_no].info(tenant, digest)
         if op == "collections":
             return [c.desc.to_json() for c in core.registry]
+        if op == "unloadable":  # collections whose build failed to load, and why
+            return core.registry.unloadable()
         if op == "compact":
             return await core.compact(args[0])
         if op == "ready":
@@ -498,6 +500,8 @@ def run_frontend(cfg: ServerConfig, device, engine_socket: str) -> None:
         core.engine = client
         for desc_json in await client.call("collections"):
             _attach(core, client, desc_json)
+        for name, why in (await client.call("unloadable")).items():
+            core.registry.mark_unloadable(name, why)  # callers hear why, as from the engine
 
     async def main():
         await setup()
