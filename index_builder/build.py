@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index_builder.corpus import Document
+from server.backends.dense import file_record
 from server.backends.docstore import PUBLIC_ACL, ChunkRecord, chunk_fingerprint
 from server.backends.lexical import ANALYZER_VERSION
 from server.core.chunking import CHUNKER_VERSION, chunk_id, document_chunks, embed_text, shard_of
@@ -234,7 +235,9 @@ def _build(docs, collection, embedder, factory, shards, metric, search_defaults,
         created_at=time.time(), shard_files=shard_files, shard_counts=shard_counts,
         tenants=tenants, search_defaults=search_defaults, dedicated_tenants=dedicated,
         log_positions=log_positions,
-        audit_queries=AUDIT_QUERIES if audit_queries is not None else None)
+        audit_queries=AUDIT_QUERIES if audit_queries is not None else None,
+        audit_queries_file=(file_record(tmp_dir / AUDIT_QUERIES) if audit_queries is not None
+                            else None))
     (tmp_dir / "release.json").write_text(desc.to_json())
     return desc
 

@@ -469,5 +469,40 @@ def test_an_audit_never_falls_back_to_held_in_queries_when_the_builds_own_are_go
                             model_id="m", audit_queries=rng.standard_normal((20, 8)).astype(np.float32))
     assert audit_build(store, "q", desc.build_id)["query_source"] == "held-out (build)"
     (store.build_dir("q", desc.build_id) / AUDIT_QUERIES).unlink()
-    with pytest.raises(IndexCorruptError, match=f"held-out audit queries, but .*{AUDIT_QUERIES} is missing"):
+    with pytest.raises(IndexCorruptError, match=f"{AUDIT_QUERIES} is missing"):
         audit_build(store, "q", desc.build_id)
+
+
+def test_an_altered_audit_query_file_or_bm25_file_list_is_refused(tmp_path):
+    """Outside QA: two build files no checksum covered. An altered audit_queries.npy was audited
+    as it was (a recall measured on other queries than the build's), and a truncated
+    lexical/.managed.json passed publish, after which no server could open the BM25 index."""
+    import numpy as np
+
+    from index_builder.build import AUDIT_QUERIES, audit_build, build_collection
+    from index_builder.corpus import Document
+    from server.core.collection import CollectionStore
+    from server.errors import FailedPrecondition, IndexCorruptError
+
+    rng = np.random.default_rng(4)
+    store = CollectionStore(tmp_path)
+    desc = build_collection([Document(f"d{i}", f"doc {i}") for i in range(200)], store, "q", None,
+                            "Flat", quiet=True, vectors=rng.standard_normal((200, 8)).astype(np.float32),
+                            model_id="m", audit_queries=rng.standard_normal((20, 8)).astype(np.float32))
+    build = store.build_dir("q", desc.build_id)
+    audit_build(store, "q", desc.build_id)
+    queries = build / AUDIT_QUERIES
+    np.save(queries, np.load(queries)[::-1])  # the same size, other queries first
+    with pytest.raises(IndexCorruptError, match=f"{queries} fails its sha256"):
+        audit_build(store, "q", desc.build_id)
+    with pytest.raises(FailedPrecondition, match=f"{queries} fails its sha256"):
+        store.publish("q", desc.build_id)
+    np.save(queries, np.load(queries)[::-1])  # restored: publishable again
+    managed = build / "shard-000" / "lexical" / ".managed.json"
+    whole = managed.read_bytes()
+    managed.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(FailedPrecondition, match=f"{managed} is .* bytes, the build recorded"):
+        store.publish("q", desc.build_id)
+    managed.write_bytes(whole)
+    store.publish("q", desc.build_id)
+    assert store.live_build("q") == desc.build_id

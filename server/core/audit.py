@@ -43,7 +43,7 @@ def _queries(store: CollectionStore, desc: ReleaseDescriptor, shards, queries, n
     if queries is not None:
         return np.ascontiguousarray(queries, np.float32), "held-out (given)"
     path = store.build_dir(desc.collection, desc.build_id) / AUDIT_QUERIES
-    if path.is_file():
+    if path.is_file():  # whole: audit_build checked the build's files (the size and sha256 of it)
         return np.ascontiguousarray(np.load(path)[:max(n, 1)], np.float32), "held-out (build)"
     if desc.audit_queries:  # outside QA: a deleted file made the audit fall back, silently, to
         # the flattering held-in sample its build was made to avoid

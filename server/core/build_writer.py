@@ -53,11 +53,12 @@ def write_shard(sdir: Path, records: Sequence[ChunkRecord], x: np.ndarray, docum
     lexical = LexicalIndex.create(sdir / "lexical")
     lexical.add((r.row, r.title, r.text, r.tenant, r.metadata, r.acl) for r in records)
     # every file a server reads from the build, checked at publish and when a server first reads
-    # it (tantivy's lock files, which it recreates, excepted): damage after the audit is refused
+    # it (tantivy's lock files, which it recreates, excepted; its list of managed files
+    # included: a truncated one made the BM25 index unopenable): damage after the audit is refused
     files["vectors.npy"] = file_record(sdir / "vectors.npy")
     files["docstore.sqlite"] = file_record(sdir / "docstore.sqlite")
     files["lexical"] = {f.name: file_record(f) for f in sorted((sdir / "lexical").iterdir())
-                        if f.is_file() and not f.name.startswith(".")}
+                        if f.is_file() and not f.name.endswith(".lock")}
     dedicated = []
     for tenant, count in sorted(tenants.items()):
         if dedicated_min is None or count < dedicated_min:

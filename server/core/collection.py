@@ -71,6 +71,7 @@ class ReleaseDescriptor:
     compacted_from: Optional[str] = None               # build this one compacts
     log_positions: dict = field(default_factory=dict)  # "shard-000" -> write-log position included
     audit_queries: Optional[str] = None                # held-out audit queries file in the build
+    audit_queries_file: Optional[dict] = None          # its {bytes, sha256}, checked before use
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -299,6 +300,8 @@ class CollectionStore:
             if not store.is_file():
                 problems.append(f"missing {store}")
             problems += recorded_problems(build_dir / shard, desc.shard_files.get(shard, {}))
+        if desc.audit_queries and desc.audit_queries_file:
+            problems += recorded_problems(build_dir, {desc.audit_queries: desc.audit_queries_file})
         return problems
 
     def verify_files(self, name: str, build_id: str) -> None:
