@@ -274,7 +274,8 @@ def cmd_build(args) -> int:
           f"chunks, {desc.shards} shard(s), factory {desc.factory}, model {desc.model_id}")
     if args.audit or args.publish:
         audit = audit_build(store, args.collection, desc.build_id, min_recall=args.min_recall,
-                            target_recall=args.target_recall or None, pinned=pinned)
+                            target_recall=args.target_recall or None, pinned=pinned,
+                            progress=None if args.quiet else _to_stderr)
         recon = audit["reconciliation"]
         _print_tuning(audit, desc.factory)
         print(f"audit: recall@{audit['k']} = {audit['recall']:.4f} over {audit['queries']} "
@@ -292,6 +293,10 @@ def cmd_build(args) -> int:
             store.publish(args.collection, desc.build_id)
             print(f"published: {args.collection} -> {desc.build_id}")
     return 0
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _print_tuning(audit: dict, factory: str) -> None:
@@ -352,7 +357,8 @@ def cmd_audit(args) -> int:
     audit = audit_build(store, args.collection, build, args.k, queries=queries,
                         n_queries=args.queries, min_recall=args.min_recall,
                         target_recall=args.target_recall, pinned=tuple(pinned),
-                        state_root=args.state_dir or args.data_dir / ".state", record=record)
+                        state_root=args.state_dir or args.data_dir / ".state", record=record,
+                        progress=_to_stderr)
     print(json.dumps(audit, indent=2))
     return 0 if audit["passed"] and audit["reconciliation"]["passed"] else 1
 

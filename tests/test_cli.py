@@ -506,3 +506,41 @@ def test_an_altered_audit_query_file_or_bm25_file_list_is_refused(tmp_path):
     managed.write_bytes(whole)
     store.publish("q", desc.build_id)
     assert store.live_build("q") == desc.build_id
+
+
+def test_the_builder_shows_training_and_tuning_as_they_run(tmp_path):
+    """Outside QA: an OPQ training sat at "add shard 0: 0%" for 3 minutes, and a knob sweep
+    printed nothing until it ended. Training now names itself on the bar and counts its seconds;
+    every setting the tuner measures is reported as it is measured."""
+    import io
+    import time
+
+    import numpy as np
+    from tqdm import tqdm
+
+    from index_builder.build import audit_build, build_collection
+    from index_builder.corpus import Document
+    from server.core.build_writer import _ticking
+    from server.core.collection import CollectionStore
+
+    out = io.StringIO()
+    bar = tqdm(total=10, desc="add shard 0", file=out)
+    with _ticking(bar, "train IVF4,Flat on 100 vectors (shard 0)", every_s=0.01):
+        deadline = time.monotonic() + 30
+        while "0 s]" not in out.getvalue():  # the ticker refreshed the bar at least once
+            assert time.monotonic() < deadline, out.getvalue()
+            time.sleep(0.01)
+    assert "train IVF4,Flat on 100 vectors (shard 0)" in out.getvalue()
+    assert bar.desc == "add shard 0"
+    bar.close()
+
+    rng = np.random.default_rng(5)
+    store = CollectionStore(tmp_path)
+    desc = build_collection([Document(f"d{i}", f"doc {i}") for i in range(400)], store, "t", None,
+                            "IVF16,Flat", quiet=True, vectors=rng.standard_normal((400, 8)).astype(np.float32),
+                            model_id="m")
+    heard = []
+    audit = audit_build(store, "t", desc.build_id, target_recall=0.99, progress=heard.append)
+    sweep = audit["tuning"]["sweep"]
+    assert len(heard) == len(sweep) > 0
+    assert heard[0].startswith(f"tuning: nprobe={sweep[0]['knobs']['nprobe']}: recall ")

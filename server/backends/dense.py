@@ -10,6 +10,7 @@ merge and fusion code never needs to know the metric.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
@@ -405,8 +406,11 @@ def _skip_polysemous_training(index: faiss.Index) -> None:
 
 def build_dense(factory: str, dim: int, metric: str, vectors: Callable[[], "np.ndarray"],
                 sample: np.ndarray, row_ids: np.ndarray, block: int = 16384,
-                progress: Optional[Callable[[int], None]] = None) -> DenseIndex:
-    """Train on `sample`, then add `vectors()` in blocks (row order = row_ids order)."""
+                progress: Optional[Callable[[int], None]] = None,
+                training=contextlib.nullcontext) -> DenseIndex:
+    """Train on `sample`, then add `vectors()` in blocks (row order = row_ids order).
+    `training(what)`: a context manager around the training (one faiss call, which reports no
+    progress of its own), e.g. to show that it runs."""
     index = make_index(factory, dim, metric)
     if not index.is_trained:
         if len(sample) == 0:
@@ -416,7 +420,8 @@ def build_dense(factory: str, dim: int, metric: str, vectors: Callable[[], "np.n
             raise ValueError(f"{factory}: {len(sample)} training vectors for {inner.nlist} lists; "
                              f"use fewer lists (e.g. IVF{max(1, len(sample) // 39)}) for this corpus")
         _skip_polysemous_training(index)
-        index.train(np.ascontiguousarray(sample, dtype=np.float32))
+        with training(f"train {factory} on {len(sample):,} vectors"):
+            index.train(np.ascontiguousarray(sample, dtype=np.float32))
     x = vectors()
     for start in range(0, len(x), block):
         index.add(np.ascontiguousarray(x[start:start + block], dtype=np.float32))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import faiss
 import numpy as np
@@ -123,17 +123,24 @@ def _candidate_knobs(index: faiss.Index, base: SearchKnobs,
 
 
 def tune_knobs(probe: _RecallProbe, index: faiss.Index, base: SearchKnobs,
-               target: float, pinned: Sequence[str] = ()) -> tuple[SearchKnobs, list[dict]]:
+               target: float, pinned: Sequence[str] = (),
+               progress: Optional[Callable[[str], None]] = None) -> tuple[SearchKnobs, list[dict]]:
     """The cheapest setting (by measured time) that meets `target` recall; along each list the
     first setting meeting it is taken (recall grows along it). When none does, the setting with
     the best recall, and the caller's audit then fails on its own threshold. `pinned` knobs
-    stay as they are."""
+    stay as they are. `progress` hears each setting measured (a sweep of a large build takes
+    minutes)."""
     sweep, meeting = [], []
     best = (base, -1.0, float("inf"))
+    applies = index_knobs(index)
     for lst in _candidate_knobs(index, base, pinned):
         for knobs in lst:
             recall, ms = probe.measure(knobs)
             sweep.append({"knobs": knobs.__dict__, "recall": recall, "ms_per_query": ms})
+            if progress is not None:
+                shown = " ".join(f"{k}={v}" for k, v in knobs.__dict__.items() if k in applies)
+                progress(f"tuning: {shown}: recall {recall:.4f} (target {target}), "
+                         f"{ms:.3f} ms/query")
             if recall > best[1]:
                 best = (knobs, recall, ms)
             if recall >= target:
@@ -148,7 +155,7 @@ def audit_build(store: CollectionStore, collection: str, build_id: str, k: int =
                 queries: Optional[np.ndarray] = None, n_queries: int = 200,
                 min_recall: float = 0.9, seed: int = 7, target_recall: Optional[float] = None,
                 state_root: Optional[Path] = None, record: bool = True,
-                pinned: Sequence[str] = ()) -> dict:
+                pinned: Sequence[str] = (), progress: Optional[Callable[[str], None]] = None) -> dict:
     """ANN recall@k of the build against exact search over the same vectors, merged over shards,
     then the count reconciliation (reconcile_build). With `target_recall`, first tune the search
     knobs (but the `pinned` ones) to the cheapest setting meeting it and store them in the
@@ -166,7 +173,7 @@ def audit_build(store: CollectionStore, collection: str, build_id: str, k: int =
     tuning = None
     if target_recall is not None:
         index = shards[0][0].cpu_index
-        chosen, sweep = tune_knobs(probe, index, knobs, target_recall, pinned)
+        chosen, sweep = tune_knobs(probe, index, knobs, target_recall, pinned, progress)
         applies = index_knobs(index)
         tuning = {"target_recall": target_recall, "sweep": sweep,
                   "chosen": {k: v for k, v in chosen.__dict__.items() if k in applies},

@@ -3,6 +3,9 @@ BM25 index, and dedicated indexes for large tenants. Shared by the offline build
 (index_builder/build.py) and in-server compaction (server/core/compaction.py)."""
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -23,6 +26,31 @@ class ShardOutput:
     dedicated: list = field(default_factory=list)
 
 
+@contextlib.contextmanager
+def _ticking(bar: tqdm, what: str, every_s: float = 1.0):
+    """While a call that reports no progress runs (faiss training: minutes for OPQ or a large
+    IVF), the bar names it and counts its seconds, instead of sitting at 0%."""
+    if bar.disable:
+        yield
+        return
+    desc, t0, stop = bar.desc, time.monotonic(), threading.Event()
+    bar.set_description_str(what, refresh=True)
+
+    def tick():
+        while not stop.wait(every_s):
+            bar.set_postfix_str(f"{time.monotonic() - t0:.0f} s", refresh=True)
+
+    ticker = threading.Thread(target=tick, name="build-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
+        bar.set_description_str(desc, refresh=False)
+        bar.set_postfix_str("", refresh=True)
+
+
 def train_sample(x: np.ndarray, factory: str, dim: int, metric: str, rng) -> np.ndarray:
     want = training_size(make_index(factory, dim, metric))
     return x[rng.choice(len(x), size=min(want, len(x)), replace=False)] if want else x[:0]
@@ -39,7 +67,8 @@ def write_shard(sdir: Path, records: Sequence[ChunkRecord], x: np.ndarray, docum
     bar = tqdm(total=len(records), desc=f"add shard {label}", unit="chunk", disable=quiet, leave=False)
     with bar:
         dense = build_dense(factory, dim, metric, lambda: x, train_sample(x, factory, dim, metric, rng),
-                            row_ids, progress=bar.update)
+                            row_ids, progress=bar.update,
+                            training=lambda what: _ticking(bar, f"{what} (shard {label})"))
     files = dense.write(sdir)
     np.save(sdir / "vectors.npy", x)  # exact vectors: audits, exact restricted search, compaction
     store = DocStore(sdir / "docstore.sqlite", create=True)
