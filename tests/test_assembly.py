@@ -94,8 +94,8 @@ def test_duplicates_never_leave_a_single_retriever_page_short(tmp_path, tiny_emb
                                                               shards, extra):
     """Outside QA: a lexical or dense query read 2 x top_k candidates; when duplicates filled
     them, de-duplication dropped them and nothing deeper was read: top_k 5 gave 1 hit (lexical)
-    or 2 (dense) where 7 distinct passages match. The retriever now reads deeper (4x, twice at
-    most) while its page is short and its list full - an RM3-expanded query too, its expansion
+    or 2 (dense) where 7 distinct passages match. The retriever now reads deeper (4x each
+    round) while its page is short and its list full - an RM3-expanded query too, its expansion
     searched again at the deeper depth (outside QA, a later round: it stayed short)."""
     from index_builder.corpus import Document
 
@@ -109,6 +109,21 @@ def test_duplicates_never_leave_a_single_retriever_page_short(tmp_path, tiny_emb
     assert len(ids) == 5 and len({h.candidate.record.text for h in r.hits}) == 5
     assert sum(i.startswith("dup") for i in ids) == 1
     assert any("deep" in n for n in r.notes)
+
+
+def test_deeper_rounds_go_on_while_the_page_is_short_and_the_list_full(tmp_path, tiny_embedder):
+    """Outside QA, a later round: two deeper rounds (10 -> 40 -> 160) were the most, so 200
+    copies of one boilerplate text left a lexical page of 1 hit where 6 distinct passages sat
+    behind them. Rounds now go on (-> 640) until the page fills or the depth cap."""
+    from index_builder.corpus import Document
+
+    docs = [Document(f"dup{i}", "shock page not found") for i in range(200)]
+    docs += [Document(f"other{i}", f"shock tube experiment number {i} with a new nozzle {i * 7}")
+             for i in range(6)]
+    [r] = _search(_served(tmp_path, tiny_embedder, docs), dict(text="shock", top_k=5, mode="lexical"))
+    ids = [h.candidate.record.doc_id for h in r.hits]
+    assert len(ids) == 5 and sum(i.startswith("dup") for i in ids) == 1, ids
+    assert any("640 deep" in n for n in r.notes), r.notes
 
 
 def test_duplicates_never_leave_a_hybrid_page_short(tmp_path):
