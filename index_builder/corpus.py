@@ -89,10 +89,12 @@ def read_corpus(path: Path, default_tenant: str = "default",
                 if not isinstance(meta, dict):
                     raise ValueError("metadata must be an object")
                 meta = {k: v for k, v in meta.items() if v is not None}  # null: the key is absent
-                # values are text, as the write API's; a list or object (BEIR's authors, say) is
-                # kept as its JSON, not as Python's repr of it (outside QA)
-                meta = {k: json.dumps(v, ensure_ascii=False, separators=(",", ":"))
-                        if isinstance(v, (dict, list)) else v for k, v in meta.items()}
+                # values are text, as the write API's; anything else (BEIR's list of authors, a
+                # flag) is kept as its JSON text - [..], {..}, true, 1.5 - not as Python's repr
+                # of it ("True" matched no filter for "true"; outside QA)
+                meta = {k: v if isinstance(v, str) else
+                        json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+                        for k, v in meta.items()}
                 acl = obj.get("acl") or []
                 if not isinstance(acl, list) or not all(isinstance(a, str) for a in acl):
                     raise ValueError("acl must be a list of scope names")

@@ -148,6 +148,8 @@ def test_bad_corpus_lines_and_factories_are_clear_errors(tmp_path):
     ({"id": "1", "text": "t", "version": 1.5}, "version must be an integer"),
     ({"id": "1", "text": "t" * 1_000_001}, "the cap is 1000000"),
     ({"id": "1", "text": "t", "metadata": {"bad key!": "v"}}, "metadata key"),
+    # outside QA: stored, but no filter matched it, and dense and lexical disagreed on "a"
+    ({"id": "1", "text": "t", "metadata": {"p": "a\x00b"}}, "metadata 'p' holds a NUL character"),
     ({"id": "1", "text": "t", "acl": ["no spaces"]}, "acl"),
     ({"id": "1", "text": "t", "tenant": "bad tenant"}, "tenant 'bad tenant' must match"),
     # outside QA: a valid JSON line that is not an object was a traceback; a null text was
@@ -180,10 +182,11 @@ def test_a_document_with_neither_text_nor_title_is_skipped_and_reported(tmp_path
     corpus.write_text("".join(json.dumps(d) + "\n" for d in (
         {"id": "a", "text": "some text"}, {"id": "b", "text": "  "}, {"id": "c", "text": "", "title": "T"},
         {"id": "d", "text": None, "title": "Only a title",
-         "metadata": {"authors": ["Ada", "Bo"], "gone": None, "n": 3}})))
+         "metadata": {"authors": ["Ada", "Bo"], "gone": None, "n": 3, "flag": True, "x": 1.5}})))
     docs = list(read_corpus(corpus))
     assert [d.doc_id for d in docs] == ["a", "c", "d"] and docs[2].text == ""  # null: no text, not "None"
-    assert docs[2].metadata == {"authors": '["Ada","Bo"]', "n": "3"}  # JSON, not Python's repr
+    # JSON, not Python's repr (a true flag was stored as "True", which no "true" filter matched)
+    assert docs[2].metadata == {"authors": '["Ada","Bo"]', "n": "3", "flag": "true", "x": "1.5"}
     assert f"skipped 1 document(s) with neither text nor title: {corpus}:2 ('b')" in capsys.readouterr().err
 
 

@@ -217,6 +217,8 @@ def check_metadata(metadata: dict, acl) -> None:
         check_filter_key(k, "metadata key")  # metadata keys are what filters name
         if len(v) > limits.MAX_METADATA_VALUE_CHARS:
             raise InvalidArgument(f"metadata {k!r} exceeds {limits.MAX_METADATA_VALUE_CHARS} characters")
+        if "\x00" in v:  # stored, but no filter could match it (SQLite's JSON reads stop there)
+            raise InvalidArgument(f"metadata {k!r} holds a NUL character")
     if len(acl) > limits.MAX_ACL_SCOPES or any(not NAME.match(a) for a in acl):
         raise InvalidArgument(f"acl: at most {limits.MAX_ACL_SCOPES} scopes matching {NAME.pattern}")
 
