@@ -547,3 +547,30 @@ def test_the_builder_shows_training_and_tuning_as_they_run(tmp_path):
     sweep = audit["tuning"]["sweep"]
     assert len(heard) == len(sweep) > 0
     assert heard[0].startswith(f"tuning: nprobe={sweep[0]['knobs']['nprobe']}: recall ")
+
+
+def test_a_descriptor_from_a_newer_builder_loads_or_says_why_not(tmp_path, caplog):
+    """Outside QA: a build whose release.json carried a field the server did not know (written
+    by a newer index-builder) was refused as "invalid" - a corrupt file - so upgrading the
+    builder before the servers took every new build down. Unknown fields are now skipped with
+    a warning; a descriptor whose format says they must not be is refused, saying so."""
+    import numpy as np
+
+    from index_builder.build import build_collection
+    from index_builder.corpus import Document
+    from server.core.collection import DESCRIPTOR, CollectionStore
+    from server.errors import FailedPrecondition
+
+    store = CollectionStore(tmp_path)
+    desc = build_collection([Document(f"d{i}", f"doc {i}") for i in range(20)], store, "f", None,
+                            "Flat", quiet=True, model_id="m",
+                            vectors=np.random.default_rng(6).standard_normal((20, 4)).astype(np.float32))
+    path = store.build_dir("f", desc.build_id) / DESCRIPTOR
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "a_later_field": {"x": 1}}))
+    with caplog.at_level("WARNING"):
+        assert store.descriptor("f", desc.build_id) == desc
+    assert "a_later_field" in caplog.text and "newer index-builder" in caplog.text
+    path.write_text(json.dumps({**data, "format": 2, "a_later_field": 1}))
+    with pytest.raises(FailedPrecondition, match="format 2, written by a newer index-builder"):
+        store.descriptor("f", desc.build_id)

@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 DESCRIPTOR = "release.json"
+# The release descriptor's format. Fields a server may ignore are added without raising it (an
+# older server skips them, with a warning); a field an older server must not ignore raises it,
+# and an older server then refuses the build, saying why.
+DESCRIPTOR_FORMAT = 1
+_WARNED_UNKNOWN: set = set()
 
 
 # what a tenant admin sees of an audit: its verdict, not what sizes show through (the number of
@@ -72,6 +77,7 @@ class ReleaseDescriptor:
     log_positions: dict = field(default_factory=dict)  # "shard-000" -> write-log position included
     audit_queries: Optional[str] = None                # held-out audit queries file in the build
     audit_queries_file: Optional[dict] = None          # its {bytes, sha256}, checked before use
+    format: int = DESCRIPTOR_FORMAT                    # raised only by a change older servers must not ignore
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -97,8 +103,28 @@ class ReleaseDescriptor:
 
     @classmethod
     def from_json(cls, text: str, source: Path) -> "ReleaseDescriptor":
+        """Fields this version does not know (a newer index-builder wrote the build) are
+        skipped, unless the descriptor's format says they must not be: a builder upgraded before
+        its servers made every new build unloadable, reported as a corrupt file (outside QA)."""
         try:
             data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ValueError(f"a JSON object is expected, not {type(data).__name__}")
+            fmt = data.get("format", 1)
+            if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > DESCRIPTOR_FORMAT:
+                raise FailedPrecondition(
+                    f"release descriptor {source} is of format {fmt}, written by a newer "
+                    f"index-builder; this server reads format {DESCRIPTOR_FORMAT}: upgrade the "
+                    "server to serve it")
+            known = cls.__dataclass_fields__
+            unknown = sorted(k for k in data if k not in known)
+            if unknown:
+                if str(source) not in _WARNED_UNKNOWN:
+                    _WARNED_UNKNOWN.add(str(source))
+                    log.warning("release descriptor %s has fields this version does not know "
+                                "(%s), written by a newer index-builder: ignored", source,
+                                ", ".join(unknown))
+                data = {k: v for k, v in data.items() if k in known}
             return cls(**data)
         except (ValueError, TypeError) as exc:
             raise IndexCorruptError(f"release descriptor {source} is invalid: {exc}") from exc
