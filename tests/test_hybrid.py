@@ -40,6 +40,7 @@ def hybrid_server(tmp_path_factory, tiny_embedder, tiny_reranker_dir):
     for i, w in enumerate(words):
         docs.append(Document(f"zx{i}", f"zyxmineral sample {w} {w} {w}", title=f"{w} note"))
     # Unicode forms: a decomposed accent (e + U+0301) and full-width letters
+    docs.append(Document("greek1", "Ο κόσμος της Αθήνας και η οδός Πανεπιστημίου."))
     docs.append(Document("uni1", "Advice on re\u0301sume\u0301 writing for engineers.", title="careers"))
     docs.append(Document("uni2", "A \uff46\uff4c\uff55\uff58\uff47\uff41\uff54\uff45 magnetometer.",
                          title="instruments"))
@@ -154,6 +155,34 @@ def test_lexical_matches_text_and_queries_in_any_unicode_form(stub):
     # the stored text is returned as it was written, not normalised
     hit = search(stub, text="r\u00e9sum\u00e9", mode=pb.LEXICAL).hits[0]
     assert "re\u0301sume\u0301" in hit.text
+
+
+def test_words_match_with_or_without_their_accents_and_in_greek_capitals(stub):
+    """Regression (outside QA): a query or title in Greek capitals ("ΚΟΣΜΟΣ": no accents, and
+    lowercasing maps Σ to σ wherever it stands) never matched the text's "κόσμος", and "cafe"
+    never matched "café". Analyzer v3 drops the accents of Latin and Greek letters and folds
+    final ς to σ, in text and queries alike."""
+    for query, doc in (("ΚΟΣΜΟΣ", "greek1"), ("κόσμος", "greek1"), ("Κόσμος", "greek1"),
+                       ("ΟΔΟΣ", "greek1"), ("οδος", "greek1"), ("resume", "uni1"),
+                       ("RÉSUMÉ", "uni1")):
+        hits = search(stub, text=query, mode=pb.LEXICAL).hits
+        assert [h.doc_id for h in hits][:1] == [doc], (query, [h.doc_id for h in hits])
+
+
+def test_a_build_of_an_older_analyzer_is_queried_as_it_was_built(tmp_path):
+    """A v2 build indexed accents and final ς as they are: its queries keep them too (folding
+    only the queries would stop "κόσμος" matching the text it always matched)."""
+    from server.backends.lexical import LexicalIndex, analyzer_folds
+
+    from server.backends.lexical import ANALYZER_VERSION
+
+    assert analyzer_folds(ANALYZER_VERSION)
+    assert not analyzer_folds("nfkc+simple+remove_long40+lower+stop_en+snowball_en/v2")
+    index = LexicalIndex.create(tmp_path / "v2")
+    index.fold = False  # as ShardIndex sets it for a v2 build
+    index.add([(0, "", "ο κόσμος", "default", {}, ("public",))])
+    scores, rows = index.search("κόσμος", 5, "default")
+    assert list(rows) == [0]
 
 
 def test_lexical_feedback_expands_the_bm25_query_with_terms_of_the_first_hits(stub):

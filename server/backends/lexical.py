@@ -31,13 +31,35 @@ from server.core.types import TermStats
 from server.errors import IndexCorruptError
 
 ANALYZER_NAME = "en_bm25"
-ANALYZER_VERSION = "nfkc+simple+remove_long40+lower+stop_en+snowball_en/v2"
+ANALYZER_VERSION = "nfkc+fold_latin_greek+simple+remove_long40+lower+stop_en+snowball_en/v3"
+
+# accents (combining marks) on a Latin or Greek letter; other scripts keep theirs, where a mark
+# can make another letter (Cyrillic й, Japanese kana's dakuten)
+_LATIN_GREEK_MARKS = re.compile("(?<=[A-Za-z\u00c0-\u024f\u1e00-\u1eff\u0370-\u03ff\u1f00-\u1fff])"
+                                "[\u0300-\u036f]+")
 
 
-def normalize(text: str) -> str:
+def analyzer_folds(version: str) -> bool:
+    """Whether a build's analyzer (its descriptor's `lexical_analyzer`) folds accents and Greek
+    final sigma: v3 on. Older builds are analysed as they were built, or their terms would stop
+    matching."""
+    return "+fold_latin_greek+" in version
+
+
+def normalize(text: str, fold: bool = True) -> str:
     """NFKC, before tantivy's tokenizer: it splits on anything not alphanumeric, so "resume" +
-    U+0301 (a combining accent) would index as "resume" and never match a query's "résumé"."""
-    return text if text.isascii() else unicodedata.normalize("NFKC", text)
+    U+0301 (a combining accent) would index as "resume" and never match a query's "résumé".
+    Then (v3, `fold`) accents of Latin and Greek letters go and Greek final sigma becomes sigma,
+    as Vespa's and Meilisearch's default analysis does: "cafe" finds "café", and a query or
+    title in capitals finds the text's words - Greek capitals carry no accents, and lowercasing
+    maps Σ to σ wherever it stands, so "ΚΟΣΜΟΣ" never matched "κόσμος" (outside QA)."""
+    if text.isascii():
+        return text
+    if not fold:
+        return unicodedata.normalize("NFKC", text)
+    # NFKC is NFKD then composition: the marks come off in between
+    text = _LATIN_GREEK_MARKS.sub("", unicodedata.normalize("NFKD", text))
+    return unicodedata.normalize("NFC", text).replace("ς", "σ")
 
 
 def make_analyzer() -> "tantivy.TextAnalyzer":
@@ -52,13 +74,13 @@ def make_analyzer() -> "tantivy.TextAnalyzer":
 _local = threading.local()
 
 
-def analyze(text: str) -> list[str]:
-    """The index's analysis of `text` (terms as the index holds them), with one analyzer per
-    thread."""
+def analyze(text: str, fold: bool = True) -> list[str]:
+    """The index's analysis of `text` (terms as an index of this analyzer version - with or
+    without `fold` - holds them), with one analyzer per thread."""
     analyzer = getattr(_local, "analyzer", None)
     if analyzer is None:
         analyzer = _local.analyzer = make_analyzer()
-    return analyzer.analyze(normalize(text))
+    return analyzer.analyze(normalize(text, fold))
 
 
 
@@ -134,9 +156,11 @@ class LexicalIndex:
         self.schema = schema
         self.directory = directory
         self.analyzer = make_analyzer()
-        # a build made by analyzer v1 indexed text as given: its queries and new writes are not
-        # normalised either, so old and new text of one index are analysed alike
+        # a build made by analyzer v1 indexed text as given, v2 without folding accents and final
+        # sigma: its queries and new writes are analysed as it was built, so old and new text
+        # match alike
         self.normalize = True
+        self.fold = True
         # the searcher and its document count move together, on reload (see _snapshot)
         self._snap_lock = threading.Lock()
         self._count_lock = threading.Lock()
@@ -146,7 +170,7 @@ class LexicalIndex:
         self._scoped: dict[tuple, int] = {}  # (generation, tenant, field, term) -> live count
 
     def _text(self, text: str) -> str:
-        return normalize(text) if self.normalize else text
+        return normalize(text, self.fold) if self.normalize else text
 
     @classmethod
     def create(cls, directory: Path) -> "LexicalIndex":

@@ -79,7 +79,7 @@ def minmax_fusion(scored: dict[str, Sequence[tuple[int, float]]],
 
 
 def rm3_expansion(query: str, texts: Sequence[str], weights: Sequence[float], n_terms: int,
-                  top_weight: float) -> tuple[tuple[str, float], ...]:
+                  top_weight: float, fold: bool = True) -> tuple[tuple[str, float], ...]:
     """RM3's relevance model over feedback texts: P(t|R) = sum_d w_d * tf(t, d) / |d| with w_d
     the hits' scores normalised to sum 1 (uniform when none is positive); the `n_terms` most
     likely analysed terms that are not already in the query (nor single characters), boosted
@@ -93,10 +93,10 @@ def rm3_expansion(query: str, texts: Sequence[str], weights: Sequence[float], n_
     total = sum(w)
     if total <= 0:
         w, total = [1.0] * len(texts), float(len(texts))
-    in_query = set(analyze(query))
+    in_query = set(analyze(query, fold))
     rel: dict[str, float] = {}
     for text, wd in zip(texts, w):
-        terms = analyze(text)
+        terms = analyze(text, fold)
         if not terms or wd <= 0:
             continue
         share = wd / total / len(terms)

@@ -44,7 +44,7 @@ from server.backends.dense import DenseIndex, RowFilter, SearchKnobs, exact_sear
 from server.backends.device import Device
 from server.backends.docstore import (PUBLIC_ACL, ChunkRecord, DocStore, FlipEntry,
                                       chunk_fingerprint)
-from server.backends.lexical import LexicalIndex, term_filterable
+from server.backends.lexical import LexicalIndex, analyzer_folds, term_filterable
 from server.core import metrics
 from server.core.chunking import chunk_id
 from server.core.collection import ReleaseDescriptor, shard_dir_name
@@ -188,6 +188,7 @@ class ShardIndex:
         self.vectors = ShardVectors(base, desc.dim)
         self.lexical = LexicalIndex.open(self.state_dir / "lexical")
         self.lexical.normalize = desc.lexical_analyzer.startswith("nfkc")  # v2 on (see lexical.py)
+        self.lexical.fold = analyzer_folds(desc.lexical_analyzer)  # v3 on
         self.records = RecordCache(record_cache_rows, (desc.collection, str(shard_no)))
         self._rw = RWLock()
         self._write_mutex = threading.Lock()
