@@ -12,10 +12,19 @@ from dataclasses import dataclass
 CHUNK_WORDS = 160    # MiniLM reads 256 word pieces; 160 English words stay under that
 OVERLAP_WORDS = 32
 # v2: ids keyed by (tenant, doc_id); v3: a document with a title and no text is one empty chunk;
-# v4: the embedder reads "title text" (see embed_text)
-CHUNKER_VERSION = f"words-{CHUNK_WORDS}-{OVERLAP_WORDS}/v4"
+# v4: the embedder reads "title text" (see embed_text); v5: CJK characters count one word each,
+# and a run without spaces one word per MAX_RUN characters
+CHUNKER_VERSION = f"words-{CHUNK_WORDS}-{OVERLAP_WORDS}/v5"
 
-_WORD = re.compile(r"\S+")
+# What counts as a word. Text without spaces between its words (Chinese, Japanese) or none at
+# all (minified code, base64) was one "word", so a whole document became one chunk - up to the
+# 1,000,000-character cap - of which the embedder read the first ~256 word pieces: a phrase near
+# the end was unseen by dense search (outside QA). BERT-family tokenizers read one word piece per
+# CJK character, so each counts as a word (160 of them stay under 256 pieces); any other run
+# without spaces counts one word per MAX_RUN characters (no English word is that long).
+MAX_RUN = 64
+_CJK = "\u3001-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
+_WORD = re.compile(f"[{_CJK}]|[^\\s{_CJK}]{{1,{MAX_RUN}}}")
 
 
 @dataclass(frozen=True)
@@ -27,7 +36,7 @@ class Chunk:
 
 
 def chunk_text(text: str, words: int = CHUNK_WORDS, overlap: int = OVERLAP_WORDS) -> list[Chunk]:
-    """Windows of `words` whitespace-separated words, overlapping by `overlap` words."""
+    """Windows of `words` words (see _WORD), overlapping by `overlap` words."""
     spans = [m.span() for m in _WORD.finditer(text)]
     if not spans:
         return []
