@@ -300,3 +300,34 @@ def test_a_budget_that_fits_no_passage_does_not_deepen_a_hybrid_query(tmp_path, 
     r = asyncio.run(go())
     assert r.hits == [] and not any("deep" in n for n in r.notes)
     assert len(counted) <= 20  # the first round's candidates only (10 per list)
+
+
+def test_equal_bm25_scores_are_cut_at_the_depth_by_chunk_id(tmp_path, tiny_embedder):
+    """Outside QA: of many passages with the same text, which ones a page showed followed the
+    order of tantivy's segments at the shard's depth cut, which differs between replicas that
+    applied the same writes in other groups. A shard now reads every hit tied at its cut and
+    keeps the lowest chunk ids. (Across shards the same text scores a few ulps apart - each
+    shard's own field lengths, the statistics round's boost - so there the order is by score.)"""
+    import asyncio
+
+    from conftest import make_core, publish_build
+    from index_builder.corpus import Document
+    from server.core.chunking import chunk_id
+    from server.core.types import SearchQuery
+
+    docs = [Document(f"same{i:02d}", "shock page not found") for i in range(60)]
+    publish_build(tmp_path, "dup", docs, tiny_embedder)
+    core = make_core(tmp_path, tiny_embedder, pipeline={"retrieval_cache_size": 0, "dedupe": False})
+    core.load()
+
+    async def go():
+        await core.start()
+        try:
+            return await core.search(SearchQuery("dup", text="shock", top_k=3, mode="lexical"),
+                                     "default")
+        finally:
+            await core.close()
+
+    got = [h.candidate.record.doc_id for h in asyncio.run(go()).hits]
+    lowest = sorted(docs, key=lambda d: chunk_id("default", d.doc_id, 0))[:3]
+    assert got == [d.doc_id for d in lowest]

@@ -150,6 +150,8 @@ def make_schema() -> "tantivy.Schema":
 class LexicalIndex:
     """A tantivy index whose documents are chunks, keyed by the shard's row number."""
 
+    TIE_READ_MAX = 10_000  # hits read to find every tie at a page's cut (search(with_ties=True))
+
     def __init__(self, index: "tantivy.Index", schema: "tantivy.Schema",
                  directory: Optional[Path] = None):
         self.index = index
@@ -424,8 +426,8 @@ class LexicalIndex:
                rows: Optional[Sequence[int]] = None,
                expansion: Sequence[tuple[str, float]] = (),
                stats: Optional[TermStats] = None,
-               hidden: Optional[tuple[tuple[str, ...], tuple[str, ...]]] = None
-               ) -> tuple[list[float], list[int]]:
+               hidden: Optional[tuple[tuple[str, ...], tuple[str, ...]]] = None,
+               with_ties: bool = False) -> tuple[list[float], list[int]]:
         """BM25 top-k (scores, rows), best first, restricted inside the query to the tenant, the
         ACL scopes (None: no ACL check), metadata equality filters and, if given, a row set.
         `expansion`: analysed terms with boosts added to the query (lexical feedback). `stats`:
@@ -435,7 +437,10 @@ class LexicalIndex:
         how documents fall into shards. Without them, the tenant's own live statistics where
         they differ from the index's (_scoped_stats). tantivy takes no statistics from outside,
         so a boost carries them; the field-length part of BM25 stays this index's (every
-        tenant's documents, deleted ones until a merge)."""
+        tenant's documents, deleted ones until a merge). `with_ties`: also every hit that ties
+        with the k-th (up to TIE_READ_MAX in all), so the caller can cut the ties by its own
+        key: which of many equal hits tantivy returns at the cut follows its segments, which
+        differ between replicas and shard layouts (the same text in several documents)."""
         terms = self.query_terms(text)
         if not terms or k <= 0:
             return [], []
@@ -477,9 +482,18 @@ class LexicalIndex:
         clauses = [(Occur.Must, Q.boolean_query(should))]
         clauses += [(Occur.Must, Q.const_score_query(r, 0.0)) for r in restrict]
         query = Q.boolean_query(clauses) if len(clauses) > 1 else clauses[0][1]
-        result = searcher.search(query, k, count=False)
-        if not result.hits:
+        ask = k + 1 if with_ties else k
+        result = searcher.search(query, ask, count=False)
+        while (with_ties and len(result.hits) == ask and ask < self.TIE_READ_MAX
+               and result.hits[-1][0] == result.hits[k - 1][0]):  # ties run past what was read
+            ask = min(2 * ask, self.TIE_READ_MAX)
+            result = searcher.search(query, ask, count=False)
+        hits = result.hits
+        if with_ties:  # the k best and those tied with the k-th
+            cut = hits[k - 1][0] if len(hits) >= k else None
+            hits = hits[:k] + [h for h in hits[k:] if h[0] == cut]
+        if not hits:
             return [], []
-        scores = [float(s) for s, _ in result.hits]
-        rows = searcher.fast_field_values("row", [addr for _, addr in result.hits])
+        scores = [float(s) for s, _ in hits]
+        rows = searcher.fast_field_values("row", [addr for _, addr in hits])
         return scores, [int(r) for r in rows]

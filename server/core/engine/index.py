@@ -474,10 +474,11 @@ class ShardIndex:
                 def bm25(i):
                     q = queries[i]
                     s, r = self.lexical.search(q.text, q.lexical_depth, q.tenant, equal, scopes, rows,
-                                               q.expansion, q.term_stats, hidden)
+                                               q.expansion, q.term_stats, hidden, with_ties=True)
                     # equal scores in chunk-id order, not in the order of segments (which differ
-                    # between replicas that applied the same writes in other groups)
-                    return sorted(zip(r, s), key=lambda h: (-h[1], int(row_ids[h[0]])))
+                    # between replicas that applied the same writes in other groups) - at the
+                    # depth's cut too: of the hits tied there, the lowest chunk ids stay
+                    return sorted(zip(r, s), key=lambda h: (-h[1], int(row_ids[h[0]])))[:q.lexical_depth]
 
                 for i, hits in zip(with_text, lexical_map(bm25, with_text)):
                     lexical[i] = hits
