@@ -546,6 +546,8 @@ def test_a_compacted_build_is_held_to_its_sources_audit_or_not_published(tmp_pat
                                 timeout=30)
             assert "failed its checks" in refused_compaction(admin)
             assert store.live_build("c") == first.build_id
+            # and it left nothing behind (outside QA: a whole build per failed attempt)
+            assert sorted(store.builds("c")) == sorted([a.build_id, first.build_id])
             assert stub.Search(pb.SearchRequest(collection="c", text="boundary layer", top_k=3),
                                timeout=30).build_id == first.build_id
     finally:

@@ -346,15 +346,19 @@ class BuildManager:
         min_recall = source.get("min_recall", 0.9)
         tuning = source.get("tuning") or {}
         target, pinned = tuning.get("target_recall"), tuple(tuning.get("pinned") or ())
-        audit = await loop.run_in_executor(None, lambda: audit_build(
-            self.store, name, desc.build_id, min_recall=min_recall, target_recall=target,
-            pinned=pinned))
-        if not (audit["passed"] and audit["reconciliation"]["passed"]):
-            raise FailedPrecondition(f"compacted build {desc.build_id} failed its checks: {audit}")
-        try:  # written and audited just now; published only over its own source
+        try:
+            audit = await loop.run_in_executor(None, lambda: audit_build(
+                self.store, name, desc.build_id, min_recall=min_recall, target_recall=target,
+                pinned=pinned))
+            if not (audit["passed"] and audit["reconciliation"]["passed"]):
+                raise FailedPrecondition(f"compacted build {desc.build_id} failed its checks: "
+                                         f"{audit}")
+            # written and audited just now; published only over its own source
             self.store.publish(name, desc.build_id, verify_files=False,
                                expect_live=coll.desc.build_id)
-        except FailedPrecondition:
+        except BaseException:  # a build that is not published is removed, whatever stopped it
+            # (outside QA: each compaction that failed its audit left a whole build behind, and
+            # a scheduled one a new one every interval)
             shutil.rmtree(self.store.build_dir(name, desc.build_id), ignore_errors=True)
             raise
         switched = await self.switch_build(name)  # the alias's: an operator's later publish wins
