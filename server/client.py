@@ -196,9 +196,17 @@ def _is_jsonl(lines: list[str]) -> bool:
 def read_queries(path: Path) -> list[tuple[str, str]]:
     """(id, text) pairs from a file: JSONL with `text` (or `query`) and optional `_id`/`id` (a BEIR
     queries.jsonl works as is), or plain text with one query per line (the first non-blank line
-    decides which). Blank lines are skipped."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
+    decides which). Blank lines are skipped. A UTF-8 byte-order mark is not part of the first
+    line (outside QA: it made a JSONL file read as plain text, each line sent as a query)."""
+    with open(path, "rb") as f:
+        raw = f.read().splitlines(keepends=True)
+    lines = []
+    for n, b in enumerate(raw, 1):
+        try:
+            lines.append(b.decode("utf-8-sig" if n == 1 else "utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not UTF-8 text ({exc.reason} at byte {exc.start} of "
+                             "the line)") from None
     jsonl = _is_jsonl(lines)
     out = []
     for n, line in enumerate(lines, 1):

@@ -724,3 +724,22 @@ def test_canary_check_of_your_own_vectors_checks_lexical_and_names_what_it_skipp
     with pytest.raises(ValueError, match="NOT_FOUND"):
         find_leaks(srv.address, "no-such-collection", [{"tenant": "default", "token": "-"}],
                    ["zyxvec7"])
+
+
+def test_a_query_file_with_a_byte_order_mark_or_bytes_not_utf8_is_read_or_named(tmp_path):
+    """Regression (outside QA): a JSONL file saved with a UTF-8 byte-order mark was read as plain
+    text - every raw JSON line sent as a query, ids replaced by line numbers, exit 0; a byte
+    that is not UTF-8 failed the run naming neither the file nor the line."""
+    from server.client import read_queries
+
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"_id": "q-heat", "text": "heat transfer"}\n'
+                    b'{"_id": "q-wing", "text": "wing"}\n')
+    assert read_queries(bom) == [("q-heat", "heat transfer"), ("q-wing", "wing")]
+    plain = tmp_path / "bom.txt"
+    plain.write_bytes(b"\xef\xbb\xbfslip flow\n")
+    assert read_queries(plain) == [("1", "slip flow")]
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine\nnot \xff utf-8\n")
+    with pytest.raises(ValueError, match=r"bad.txt:2: not UTF-8 text \(invalid start byte at byte 4"):
+        read_queries(bad)
