@@ -727,3 +727,25 @@ def test_a_server_whose_every_collection_fails_to_load_does_not_start(two_builds
         f.truncate(damaged.stat().st_size - 64)
     with pytest.raises(IndexCorruptError, match=str(damaged)):
         make_core(store.data_dir, tiny_embedder).load()
+
+
+def test_describe_counts_what_is_live_as_collection_stats_does(two_builds, tiny_embedder):
+    """Regression (outside QA): DescribeCollection gave operators the build's counts (unchanged
+    by any write) and tenant admins live ones. Both now count what is live, as CollectionStats
+    does; the descriptor JSON keeps what the build wrote."""
+    import json
+
+    store, a, _ = two_builds
+    srv = start_core_server(store.data_dir, tiny_embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub, admin = pb_grpc.SearchServiceStub(ch), pb_grpc.AdminServiceStub(ch)
+            stub.UpsertDocument(pb.UpsertDocumentRequest(collection="c", doc_id="new-1", version=1,
+                                                         text="a document written after the build"),
+                                timeout=30)
+            d = admin.DescribeCollection(pb.DescribeCollectionRequest(collection="c"), timeout=30)
+            s = admin.CollectionStats(pb.CollectionStatsRequest(collection="c"), timeout=30)
+            assert (d.documents, d.chunks) == (s.documents, s.chunks) == (a.documents + 1, a.chunks + 1)
+            assert json.loads(d.descriptor_json)["documents"] == a.documents
+    finally:
+        srv.stop()

@@ -119,14 +119,14 @@ class SearchCore:
                 "stages": metrics.RECENT.percentiles()}
 
     async def describe(self, name: str, tenant: Optional[str] = None) -> ReleaseDescriptor:
-        """The live build's descriptor; a tenant-scoped view (no other tenant's name or size)
-        when `tenant` is given."""
+        """The live build's descriptor, its documents and chunks counted live (the build's and
+        the streaming writes since, as CollectionStats counts them: outside QA found operators
+        shown the build's counts, and tenant admins live ones); a tenant-scoped view (no other
+        tenant's name or size) when `tenant` is given."""
         desc = self.registry.get(name).desc
-        if tenant is None:
-            return desc
         counts = await self.stats(name, tenant)
-        return dataclasses.replace(desc.for_tenant(tenant), documents=counts["documents"],
-                                   chunks=counts["chunks"])
+        view = desc if tenant is None else desc.for_tenant(tenant)
+        return dataclasses.replace(view, documents=counts["documents"], chunks=counts["chunks"])
 
     # --- writes and builds -------------------------------------------------------------------
     async def write(self, w: WriteRequest, tenant: str) -> WriteAck:
