@@ -749,3 +749,36 @@ def test_describe_counts_what_is_live_as_collection_stats_does(two_builds, tiny_
             assert json.loads(d.descriptor_json)["documents"] == a.documents
     finally:
         srv.stop()
+
+
+def test_a_compacted_build_is_labelled_with_the_analyzer_that_wrote_its_bm25_index(tmp_path,
+                                                                                  tiny_embedder,
+                                                                                  cranfield_docs):
+    """Review: compaction writes the BM25 index anew from the text with this version's analyzer
+    but kept the source's label, so a build of analyzer v2 compacted held "cafe" while its
+    queries were analysed without folding, and "café" found nothing."""
+    from conftest import publish_build
+    from index_builder.corpus import Document
+    from server.backends.lexical import ANALYZER_VERSION
+    from server.core.collection import CollectionStore
+
+    desc = publish_build(tmp_path, "acc", [Document("cafe-1", "café au lait in the morning"),
+                                           *docs("acc", cranfield_docs, 30)], tiny_embedder)
+    store = CollectionStore(tmp_path)
+    old = store.descriptor("acc", desc.build_id)
+    old.lexical_analyzer = "nfkc+simple+remove_long40+lower+stop_en+snowball_en/v2"
+    store.write_descriptor(old)
+    srv = start_core_server(tmp_path, tiny_embedder, pipeline={"retrieval_cache_size": 0})
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub, admin = pb_grpc.SearchServiceStub(ch), pb_grpc.AdminServiceStub(ch)
+            stub.DeleteDocument(pb.DeleteDocumentRequest(collection="acc", doc_id="acc-1", version=2),
+                                timeout=30)
+            new = admin.Compact(pb.CompactRequest(collection="acc"), timeout=300).build_id
+            assert store.descriptor("acc", new).lexical_analyzer == ANALYZER_VERSION
+            for query in ("café", "cafe"):
+                hits = stub.Search(pb.SearchRequest(collection="acc", text=query, top_k=3,
+                                                    mode=pb.LEXICAL), timeout=30).hits
+                assert [h.doc_id for h in hits][:1] == ["cafe-1"], query
+    finally:
+        srv.stop()

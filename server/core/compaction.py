@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from server.backends.lexical import ANALYZER_VERSION
 from server.core.audit import AUDIT_QUERIES
 from server.core.build_writer import write_shard
 from server.core.collection import CollectionStore, atomic_write, shard_dir_name
@@ -63,7 +64,11 @@ def compact_build(store: CollectionStore, loaded, seed: int = 0):
             tenants=tenants, dedicated_tenants=dedicated, audit=None, reconciliation=None,
             documents=sum(c["documents"] for c in counts.values()),
             chunks=sum(c["chunks"] for c in counts.values()), compacted_from=desc.build_id,
-            corpus_version=version_hash.hexdigest()[:16], log_positions=log_positions)
+            corpus_version=version_hash.hexdigest()[:16], log_positions=log_positions,
+            # the BM25 index is written anew from the text, with this version's analyzer: the
+            # label must say so, or its queries would be analysed as the source's were (review:
+            # a v2 build compacted held "cafe" and was asked for "café")
+            lexical_analyzer=ANALYZER_VERSION)
         (tmp_dir / "release.json").write_text(new.to_json())
         (tmp_dir / REPLAY_FILE).write_text(json.dumps({desc.build_id: marker}))
         held_out = store.build_dir(desc.collection, desc.build_id) / AUDIT_QUERIES
