@@ -44,18 +44,21 @@ def test_the_embedder_reads_title_and_chunk_joined_as_beir_does():
 def test_text_without_spaces_is_chunked_like_text_with_them():
     """Regression (outside QA): a 4,571-character Chinese document - no spaces between its words -
     was one chunk (one "word"), of which the embedder read the first ~256 word pieces, so a
-    phrase at its end ranked 11th of 24 in dense search. Each CJK character now counts as a
-    word (one word piece each), and any other run without spaces one word per MAX_RUN
-    characters; English is chunked as before."""
+    phrase at its end ranked 11th of 24 in dense search. Two CJK characters now count as a word
+    (one word piece each), and any other run without spaces one word per MAX_RUN characters;
+    English is chunked as before. A document at the text cap stays under the chunks a write may
+    carry (review: one character a word made 7,800)."""
+    from server.core import limits
     from server.core.chunking import CHUNK_WORDS, MAX_RUN, chunk_text
 
     text = "自然语言处理的研究" * 500 + "结尾的特别短语"
     chunks = chunk_text(text)
-    assert len(chunks) > 1 and all(c.end - c.start <= CHUNK_WORDS for c in chunks)
+    assert len(chunks) > 1 and all(c.end - c.start <= 2 * CHUNK_WORDS for c in chunks)
     assert all(text[c.start:c.end] == c.text for c in chunks)
     assert chunks[-1].text.endswith("结尾的特别短语")
     minified = "x" * (MAX_RUN * CHUNK_WORDS * 3)  # no space at all: three chunks' worth, and more
     assert len(chunk_text(minified)) > 3
+    assert len(chunk_text("字" * limits.MAX_DOC_TEXT_CHARS)) <= limits.MAX_CHUNKS_PER_DOC
     words = [f"word{i}" for i in range(300)]
     assert [c.text.split() for c in chunk_text(" ".join(words))] == [
         words[0:160], words[128:288], words[256:300]]

@@ -280,3 +280,18 @@ def test_the_boundary_answers_internal_for_a_native_librarys_panic():
     with pytest.raises(Aborted) as err:
         asyncio.run(Servicer().Search(object(), Context()))
     assert err.value.args[0] == grpc.StatusCode.INTERNAL and "PanicException" in err.value.args[1]
+
+
+def test_a_logged_write_with_a_nul_in_its_metadata_still_applies(small_collection):
+    """Review: the NUL check, put where shards also check writes the log or a replay delivers,
+    would have refused a write logged before the check existed - stopping a replay (a publish,
+    a restart) or a replica's log for good. New writes are refused; logged ones apply."""
+    from server.core.types import ShardWrite, WriteRequest
+    from server.core.validation import validate_shard_write, validate_write
+    from server.errors import InvalidArgument
+
+    _, desc = small_collection
+    logged = ShardWrite("delete", "default", "d", 2, {"metadata": {"p": "a\x00b"}}, (), None, 7)
+    validate_shard_write(logged, desc)  # applies
+    with pytest.raises(InvalidArgument, match="NUL"):
+        validate_write(WriteRequest("upsert", "cran", "d", 2, "text", "", {"p": "a\x00b"}))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 CHUNK_WORDS = 160    # MiniLM reads 256 word pieces; 160 English words stay under that
 OVERLAP_WORDS = 32
 # v2: ids keyed by (tenant, doc_id); v3: a document with a title and no text is one empty chunk;
-# v4: the embedder reads "title text" (see embed_text); v5: CJK characters count one word each,
+# v4: the embedder reads "title text" (see embed_text); v5: two CJK characters count one word,
 # and a run without spaces one word per MAX_RUN characters
 CHUNKER_VERSION = f"words-{CHUNK_WORDS}-{OVERLAP_WORDS}/v5"
 
@@ -20,11 +20,15 @@ CHUNKER_VERSION = f"words-{CHUNK_WORDS}-{OVERLAP_WORDS}/v5"
 # all (minified code, base64) was one "word", so a whole document became one chunk - up to the
 # 1,000,000-character cap - of which the embedder read the first ~256 word pieces: a phrase near
 # the end was unseen by dense search (outside QA). BERT-family tokenizers read one word piece per
-# CJK character, so each counts as a word (160 of them stay under 256 pieces); any other run
-# without spaces counts one word per MAX_RUN characters (no English word is that long).
+# CJK character; two count as a word, so a chunk holds 320 and the next starts 256 in - where
+# the model (256 pieces) stops reading - and a document at the 1,000,000-character cap still
+# makes at most 3,907 chunks, under the 4,096 a write may carry (one character a word made
+# 7,800, refused after embedding them all: review). Any other run without spaces counts one word
+# per MAX_RUN characters (no English word is that long; such text - base64, Thai - is still read
+# only ~256 pieces into each chunk, but no longer one chunk for a whole document).
 MAX_RUN = 64
 _CJK = "\u3001-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
-_WORD = re.compile(f"[{_CJK}]|[^\\s{_CJK}]{{1,{MAX_RUN}}}")
+_WORD = re.compile(f"[{_CJK}]{{1,2}}|[^\\s{_CJK}]{{1,{MAX_RUN}}}")
 
 
 @dataclass(frozen=True)
