@@ -346,10 +346,11 @@ class BuildManager:
         min_recall = source.get("min_recall", 0.9)
         tuning = source.get("tuning") or {}
         target, pinned = tuning.get("target_recall"), tuple(tuning.get("pinned") or ())
+        auditing = loop.run_in_executor(None, lambda: audit_build(
+            self.store, name, desc.build_id, min_recall=min_recall, target_recall=target,
+            pinned=pinned))
         try:
-            audit = await loop.run_in_executor(None, lambda: audit_build(
-                self.store, name, desc.build_id, min_recall=min_recall, target_recall=target,
-                pinned=pinned))
+            audit = await asyncio.shield(auditing)  # a cancelled caller: the audit runs out
             if not (audit["passed"] and audit["reconciliation"]["passed"]):
                 raise FailedPrecondition(f"compacted build {desc.build_id} failed its checks: "
                                          f"{audit}")
@@ -358,8 +359,17 @@ class BuildManager:
                                expect_live=coll.desc.build_id)
         except BaseException:  # a build that is not published is removed, whatever stopped it
             # (outside QA: each compaction that failed its audit left a whole build behind, and
-            # a scheduled one a new one every interval)
-            shutil.rmtree(self.store.build_dir(name, desc.build_id), ignore_errors=True)
+            # a scheduled one a new one every interval) - once its audit has stopped writing
+            # into it, and never once the alias names it (a publish that failed after its
+            # rename, in the directory's fsync: review)
+            def remove(_=None) -> None:
+                if self._live_or_none(name) != desc.build_id:
+                    shutil.rmtree(self.store.build_dir(name, desc.build_id), ignore_errors=True)
+
+            if auditing.done():
+                remove()
+            else:
+                auditing.add_done_callback(remove)
             raise
         switched = await self.switch_build(name)  # the alias's: an operator's later publish wins
         return {"build_id": desc.build_id, "previous": coll.desc.build_id, "rows_before": before,
