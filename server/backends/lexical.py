@@ -150,7 +150,11 @@ def make_schema() -> "tantivy.Schema":
 class LexicalIndex:
     """A tantivy index whose documents are chunks, keyed by the shard's row number."""
 
-    TIE_READ_MAX = 10_000  # hits read to find every tie at a page's cut (search(with_ties=True))
+    # hits read to find the ties at a page's cut (search(with_ties=True)): 4x the depth, at
+    # least 64 more. A larger run of ties stays cut in tantivy's order: one-term queries tie by
+    # the thousands (field lengths are quantised to 256 values), and reading every tie cost
+    # ~13 ms a query per shard at 10,000 (review)
+    TIE_READ_FACTOR, TIE_READ_EXTRA = 4, 64
 
     def __init__(self, index: "tantivy.Index", schema: "tantivy.Schema",
                  directory: Optional[Path] = None):
@@ -437,10 +441,11 @@ class LexicalIndex:
         how documents fall into shards. Without them, the tenant's own live statistics where
         they differ from the index's (_scoped_stats). tantivy takes no statistics from outside,
         so a boost carries them; the field-length part of BM25 stays this index's (every
-        tenant's documents, deleted ones until a merge). `with_ties`: also every hit that ties
-        with the k-th (up to TIE_READ_MAX in all), so the caller can cut the ties by its own
-        key: which of many equal hits tantivy returns at the cut follows its segments, which
-        differ between replicas and shard layouts (the same text in several documents)."""
+        tenant's documents, deleted ones until a merge). `with_ties`: also the hits that tie
+        with the k-th (up to TIE_READ_FACTOR x k, or k + TIE_READ_EXTRA, in all), so the caller
+        can cut the ties by its own key: which of many equal hits tantivy returns at the cut
+        follows its segments, which differ between replicas (the same text in several
+        documents)."""
         terms = self.query_terms(text)
         if not terms or k <= 0:
             return [], []
@@ -484,9 +489,9 @@ class LexicalIndex:
         query = Q.boolean_query(clauses) if len(clauses) > 1 else clauses[0][1]
         ask = k + 1 if with_ties else k
         result = searcher.search(query, ask, count=False)
-        while (with_ties and len(result.hits) == ask and ask < self.TIE_READ_MAX
-               and result.hits[-1][0] == result.hits[k - 1][0]):  # ties run past what was read
-            ask = min(2 * ask, self.TIE_READ_MAX)
+        if (with_ties and len(result.hits) == ask
+                and result.hits[-1][0] == result.hits[k - 1][0]):  # ties run past what was read
+            ask = max(self.TIE_READ_FACTOR * k, k + self.TIE_READ_EXTRA)
             result = searcher.search(query, ask, count=False)
         hits = result.hits
         if with_ties:  # the k best and those tied with the k-th
