@@ -568,9 +568,12 @@ def test_a_descriptor_from_a_newer_builder_loads_or_says_why_not(tmp_path, caplo
     path = store.build_dir("f", desc.build_id) / DESCRIPTOR
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "a_later_field": {"x": 1}}))
+    assert "format" not in data  # format 1 is not written: servers older than it refuse new keys
     with caplog.at_level("WARNING"):
         assert store.descriptor("f", desc.build_id) == desc
     assert "a_later_field" in caplog.text and "newer index-builder" in caplog.text
+    store.write_descriptor(store.descriptor("f", desc.build_id))  # e.g. an audit's record
+    assert json.loads(path.read_text())["a_later_field"] == {"x": 1}  # kept
     path.write_text(json.dumps({**data, "format": 2, "a_later_field": 1}))
     with pytest.raises(FailedPrecondition, match="format 2, written by a newer index-builder"):
         store.descriptor("f", desc.build_id)

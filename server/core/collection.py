@@ -78,9 +78,16 @@ class ReleaseDescriptor:
     audit_queries: Optional[str] = None                # held-out audit queries file in the build
     audit_queries_file: Optional[dict] = None          # its {bytes, sha256}, checked before use
     format: int = DESCRIPTOR_FORMAT                    # raised only by a change older servers must not ignore
+    # fields of a newer index-builder this version skips: kept through a rewrite of the same
+    # build (an audit's record), dropped by a new build made from it (a compaction)
+    unknown: dict = field(default_factory=dict, compare=False, repr=False)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+        data = asdict(self)
+        data = {**data.pop("unknown"), **data}
+        if data["format"] == 1:  # written only once raised: servers older than the field refuse
+            del data["format"]   # any key they do not know
+        return json.dumps(data, indent=2, sort_keys=True)
 
     def for_tenant(self, tenant: str) -> "ReleaseDescriptor":
         """The view a tenant-scoped admin gets: no other tenant's name or size appears in it -
@@ -99,7 +106,7 @@ class ReleaseDescriptor:
             reconciliation=None if recon is None else {k: recon[k] for k in ("passed", "reconciled_at")
                                                        if k in recon},
             audit=None if self.audit is None else _audit_for_tenant(self.audit),
-            chunks=own, documents=0)
+            chunks=own, documents=0, unknown={})
 
     @classmethod
     def from_json(cls, text: str, source: Path) -> "ReleaseDescriptor":
@@ -116,16 +123,15 @@ class ReleaseDescriptor:
                     f"release descriptor {source} is of format {fmt}, written by a newer "
                     f"index-builder; this server reads format {DESCRIPTOR_FORMAT}: upgrade the "
                     "server to serve it")
-            known = cls.__dataclass_fields__
-            unknown = sorted(k for k in data if k not in known)
+            known = set(cls.__dataclass_fields__) - {"unknown"}
+            unknown = {k: v for k, v in data.items() if k not in known}
             if unknown:
                 if str(source) not in _WARNED_UNKNOWN:
                     _WARNED_UNKNOWN.add(str(source))
                     log.warning("release descriptor %s has fields this version does not know "
                                 "(%s), written by a newer index-builder: ignored", source,
-                                ", ".join(unknown))
-                data = {k: v for k, v in data.items() if k in known}
-            return cls(**data)
+                                ", ".join(sorted(unknown)))
+            return cls(**{k: v for k, v in data.items() if k in known}, unknown=unknown)
         except (ValueError, TypeError) as exc:
             raise IndexCorruptError(f"release descriptor {source} is invalid: {exc}") from exc
 

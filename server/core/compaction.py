@@ -68,7 +68,7 @@ def compact_build(store: CollectionStore, loaded, seed: int = 0):
             # the BM25 index is written anew from the text, with this version's analyzer: the
             # label must say so, or its queries would be analysed as the source's were (review:
             # a v2 build compacted held "cafe" and was asked for "café")
-            lexical_analyzer=ANALYZER_VERSION)
+            lexical_analyzer=ANALYZER_VERSION, unknown={})
         (tmp_dir / "release.json").write_text(new.to_json())
         (tmp_dir / REPLAY_FILE).write_text(json.dumps({desc.build_id: marker}))
         held_out = store.build_dir(desc.collection, desc.build_id) / AUDIT_QUERIES
