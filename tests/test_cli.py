@@ -500,6 +500,8 @@ def test_an_altered_audit_query_file_or_bm25_file_list_is_refused(tmp_path):
         audit_build(store, "q", desc.build_id)
     with pytest.raises(FailedPrecondition, match=f"{queries} fails its sha256"):
         store.publish("q", desc.build_id)
+    own = np.random.default_rng(8).standard_normal((10, 8)).astype(np.float32)
+    assert audit_build(store, "q", desc.build_id, queries=own)["query_source"] == "held-out (given)"
     np.save(queries, np.load(queries)[::-1])  # restored: publishable again
     managed = build / "shard-000" / "lexical" / ".managed.json"
     whole = managed.read_bytes()

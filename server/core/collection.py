@@ -318,9 +318,10 @@ class CollectionStore:
     def write_descriptor(self, desc: ReleaseDescriptor) -> None:
         atomic_write(self.build_dir(desc.collection, desc.build_id) / DESCRIPTOR, desc.to_json())
 
-    def file_problems(self, name: str, build_id: str) -> list[str]:
+    def file_problems(self, name: str, build_id: str, audit_queries: bool = True) -> list[str]:
         """What is wrong with the build's files against what it recorded of them: every shard's
-        document store must be there, and every recorded file must have its size and sha256."""
+        document store must be there, and every recorded file must have its size and sha256
+        (the held-out audit queries unless `audit_queries` is False: an audit given its own)."""
         from server.backends.dense import recorded_problems
 
         desc = self.descriptor(name, build_id)
@@ -332,7 +333,7 @@ class CollectionStore:
             if not store.is_file():
                 problems.append(f"missing {store}")
             problems += recorded_problems(build_dir / shard, desc.shard_files.get(shard, {}))
-        if desc.audit_queries and desc.audit_queries_file:
+        if audit_queries and desc.audit_queries and desc.audit_queries_file:
             problems += recorded_problems(build_dir, {desc.audit_queries: desc.audit_queries_file})
         return problems
 
