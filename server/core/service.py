@@ -118,15 +118,25 @@ class SearchCore:
                 "vectors": sum(i.vectors for i in infos), "shards": infos,
                 "stages": metrics.RECENT.percentiles()}
 
-    async def describe(self, name: str, tenant: Optional[str] = None) -> ReleaseDescriptor:
-        """The live build's descriptor, its documents and chunks counted live (the build's and
-        the streaming writes since, as CollectionStats counts them: outside QA found operators
-        shown the build's counts, and tenant admins live ones); a tenant-scoped view (no other
-        tenant's name or size) when `tenant` is given."""
-        desc = self.registry.get(name).desc
-        counts = await self.stats(name, tenant)
+    async def describe(self, name: str, tenant: Optional[str] = None
+                       ) -> tuple[ReleaseDescriptor, ReleaseDescriptor]:
+        """(the view, the build's own descriptor) of the live build, resolved once. The view
+        counts documents and chunks live (the build's and the streaming writes since, as
+        CollectionStats counts them: outside QA found operators shown the build's counts, and
+        tenant admins live ones) and is tenant-scoped (no other tenant's name or size) when
+        `tenant` is given. An operator whose shards cannot all be counted (a replica set down)
+        gets the build's counts rather than no description."""
+        loaded = self.registry.get(name)
+        desc = loaded.desc
+        try:
+            infos = await asyncio.gather(*(s.info(tenant) for s in loaded.shards))
+        except SearchError:
+            if tenant is not None:
+                raise  # a tenant's view never shows the collection's own counts
+            return desc, desc
         view = desc if tenant is None else desc.for_tenant(tenant)
-        return dataclasses.replace(view, documents=counts["documents"], chunks=counts["chunks"])
+        return (dataclasses.replace(view, documents=sum(i.documents for i in infos),
+                                    chunks=sum(i.chunks for i in infos)), desc)
 
     # --- writes and builds -------------------------------------------------------------------
     async def write(self, w: WriteRequest, tenant: str) -> WriteAck:

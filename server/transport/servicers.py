@@ -95,12 +95,12 @@ async def describe_pb(core: SearchCore, name: str, principal: Principal) -> pb.C
     """Operators see the whole descriptor (as the build wrote it); a tenant's admin sees its own
     tenant's view of it. The counts are live (core.describe)."""
     operator = principal.is_operator
-    d = await core.describe(name, None if operator else principal.tenant)
+    d, build = await core.describe(name, None if operator else principal.tenant)
     return pb.CollectionDescription(
         name=d.collection, build_id=d.build_id, model_id=d.model_id, dim=d.dim, metric=d.metric,
         factory=d.factory, shards=d.shards, corpus_version=d.corpus_version, chunker=d.chunker,
         documents=d.documents, chunks=d.chunks,
-        descriptor_json=core.collection(name).desc.to_json() if operator else d.to_json())
+        descriptor_json=build.to_json() if operator else d.to_json())
 
 
 class AdminServicer(pb_grpc.AdminServiceServicer):
