@@ -116,13 +116,15 @@ class BuildManager:
         """Record that `name` cannot be served from `build_id` (its live build, None when even
         the alias is unreadable): callers hear why, the alias watcher retries once it moves."""
         what = f"its live build {build_id}" if build_id else "its alias"
-        why = f"{what} failed to load ({type(exc).__name__}: {exc})"
         if self._unloadable.get(name, ()) != build_id:  # once per build, not per poll
-            log.error("not serving collection %s: %s; the other collections are served, and "
-                      "%s is loaded again once a build of it is published or rolled back to",
-                      name, why, name)
+            log.error("not serving collection %s: %s failed to load (%s: %s); the other "
+                      "collections are served, and %s is loaded again once a build of it is "
+                      "published or rolled back to", name, what, type(exc).__name__, exc, name)
         self._unloadable[name] = build_id
-        self.registry.mark_unloadable(name, why + "; publish a working build or roll back")
+        # callers hear what and why in general terms; the file paths are the server log's
+        self.registry.mark_unloadable(name, f"{what} failed to load ({type(exc).__name__}); the "
+                                            "server log names the cause - publish a working "
+                                            "build or roll back")
         metrics.COLLECTION_UNLOADABLE.labels(name).set(1)
 
     def _loadable_again(self, name: str) -> None:
@@ -139,7 +141,9 @@ class BuildManager:
         for loaded in self.registry:
             try:
                 await self._catch_up(loaded)
-            except (SearchError, OSError) as exc:
+            except BaseException as exc:  # SQLite's errors and tantivy's panics too
+                if not (isinstance(exc, Exception) or is_panic(exc)):
+                    raise
                 failures.append(exc)
                 await asyncio.gather(*(s.close() for s in loaded.shards))
                 self._unloadable_now(loaded.name, loaded.desc.build_id, exc)
@@ -416,7 +420,9 @@ class BuildManager:
                 continue
             try:
                 await self._catch_up(loaded)  # as at a start: this state may have served it
-            except (SearchError, OSError) as exc:
+            except BaseException as exc:  # one collection's failure must not end the watcher
+                if not (isinstance(exc, Exception) or is_panic(exc)):
+                    raise
                 await asyncio.gather(*(s.close() for s in loaded.shards))
                 self._unloadable_now(name, loaded.desc.build_id, exc)
                 continue
