@@ -127,6 +127,13 @@ class BuildManager:
                                             "build or roll back")
         metrics.COLLECTION_UNLOADABLE.labels(name).set(1)
 
+    async def _unloadable_later(self, name: str, build_id: Optional[str], exc: BaseException) -> None:
+        """As _unloadable_now, after the start: an engine's front ends are told too."""
+        known = self._unloadable.get(name, ())
+        self._unloadable_now(name, build_id, exc)
+        if known != build_id and self.on_switch is not None:
+            await self.on_switch(name)
+
     def _loadable_again(self, name: str) -> None:
         if self._unloadable.pop(name, ()) != ():
             metrics.COLLECTION_UNLOADABLE.labels(name).set(0)
@@ -416,7 +423,7 @@ class BuildManager:
             except BaseException as exc:
                 if not (isinstance(exc, Exception) or is_panic(exc)):
                     raise
-                self._unloadable_now(name, build_id, exc)
+                await self._unloadable_later(name, build_id, exc)
                 continue
             try:
                 await self._catch_up(loaded)  # as at a start: this state may have served it
@@ -424,7 +431,7 @@ class BuildManager:
                 if not (isinstance(exc, Exception) or is_panic(exc)):
                     raise
                 await asyncio.gather(*(s.close() for s in loaded.shards))
-                self._unloadable_now(name, loaded.desc.build_id, exc)
+                await self._unloadable_later(name, loaded.desc.build_id, exc)
                 continue
             self.registry.put(loaded)
             self._loadable_again(name)

@@ -138,11 +138,14 @@ class EngineServer:
                 task.cancel()
 
     async def announce(self, collection: str) -> None:
-        """Tell every front end which build a collection serves now."""
-        desc = self.core.registry.get(collection).desc.to_json()
+        """Tell every front end which build a collection serves now - or, when its build failed
+        to load, why it serves none."""
+        unloadable = self.core.registry.unloadable()
+        message = (("unloadable", collection, unloadable[collection]) if collection in unloadable
+                   else ("collection", self.core.registry.get(collection).desc.to_json()))
         for w in list(self._clients):
             try:
-                await _send(w, (0, True, ("collection", desc)))
+                await _send(w, (0, True, message))
             except ConnectionError:
                 self._clients.discard(w)
 
@@ -494,8 +497,13 @@ def run_frontend(cfg: ServerConfig, device, engine_socket: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     async def setup():
-        client = EngineClient(engine_socket, on_push=lambda msg: _attach(core, client, msg[1]),
-                              on_lost=engine_lost)
+        def pushed(msg) -> None:
+            if msg[0] == "unloadable":  # a collection the engine could not load
+                core.registry.mark_unloadable(msg[1], msg[2])
+            else:
+                _attach(core, client, msg[1])
+
+        client = EngineClient(engine_socket, on_push=pushed, on_lost=engine_lost)
         await client.connect()
         core.engine = client
         for desc_json in await client.call("collections"):
