@@ -23,6 +23,7 @@ from server.core.chunking import CHUNKER_VERSION, chunk_id, document_chunks, emb
 from server.core.collection import NAME, CollectionStore, ReleaseDescriptor, check_name
 from server.core.build_writer import write_shard
 from server.core.collection import shard_dir_name
+from server.core.limits import MAX_CHUNKS_PER_DOC
 from server.core.validation import unit_vectors
 from server.errors import InvalidArgument
 
@@ -180,7 +181,11 @@ def _build(docs, collection, embedder, factory, shards, metric, search_defaults,
             chunks.append(PendingChunk(doc, 0, 0, len(doc.text), doc.text,
                                        chunk_id(doc.tenant, doc.doc_id, 0), s, i))
             continue
-        for c in document_chunks(doc.title, doc.text):
+        pieces = document_chunks(doc.title, doc.text)
+        if len(pieces) > MAX_CHUNKS_PER_DOC:  # the write API's cap: it could never be upserted again
+            raise ValueError(f"document {doc.doc_id!r} splits into {len(pieces)} chunks; a document "
+                             f"may have at most {MAX_CHUNKS_PER_DOC}: split it")
+        for c in pieces:
             chunks.append(PendingChunk(doc, c.index, c.start, c.end, c.text,
                                        chunk_id(doc.tenant, doc.doc_id, c.index), s))
     if not chunks:

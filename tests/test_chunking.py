@@ -59,6 +59,41 @@ def test_text_without_spaces_is_chunked_like_text_with_them():
     minified = "x" * (MAX_RUN * CHUNK_WORDS * 3)  # no space at all: three chunks' worth, and more
     assert len(chunk_text(minified)) > 3
     assert len(chunk_text("字" * limits.MAX_DOC_TEXT_CHARS)) <= limits.MAX_CHUNKS_PER_DOC
+    # full-width punctuation pairs with the characters around it, as Chinese text uses it
+    sentence = "自然语言处理的研究，"
+    assert len(chunk_text(sentence * (limits.MAX_DOC_TEXT_CHARS // len(sentence)))) <= limits.MAX_CHUNKS_PER_DOC
     words = [f"word{i}" for i in range(300)]
     assert [c.text.split() for c in chunk_text(" ".join(words))] == [
         words[0:160], words[128:288], words[256:300]]
+
+
+def test_a_document_of_more_chunks_than_a_write_may_carry_is_refused_before_embedding(tmp_path,
+                                                                                   tiny_embedder):
+    """Review: text mixing scripts without spaces ("字a" repeated) chunks into more than the
+    4,096 chunks a write may carry; the shard refused it only after every chunk was embedded,
+    and the builder, which has no such cap, built a document that could never be upserted
+    again. Both now refuse it first, saying why."""
+    import asyncio
+
+    import pytest
+
+    from index_builder.build import build_collection
+    from index_builder.corpus import Document
+    from server.core import limits
+    from server.core.collection import CollectionStore
+    from server.core.types import WriteRequest
+    from server.core.writes import WritePath
+    from server.errors import InvalidArgument
+
+    text = "字a" * (limits.MAX_DOC_TEXT_CHARS // 2)
+    with pytest.raises(ValueError, match="'big' splits into 7813 chunks; a document may have at most 4096"):
+        build_collection([Document("big", text)], CollectionStore(tmp_path), "c", tiny_embedder,
+                         "Flat", quiet=True)
+
+    class NoEmbedder:  # the refusal comes before any embedding
+        async def embed_many(self, texts, desc):
+            raise AssertionError("embedded")
+
+    path = WritePath(None, NoEmbedder())
+    with pytest.raises(InvalidArgument, match="splits into 7813 chunks"):
+        asyncio.run(path.shard_write(WriteRequest("upsert", "c", "big", 1, text), "default", None))

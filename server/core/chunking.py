@@ -20,14 +20,17 @@ CHUNKER_VERSION = f"words-{CHUNK_WORDS}-{OVERLAP_WORDS}/v5"
 # all (minified code, base64) was one "word", so a whole document became one chunk - up to the
 # 1,000,000-character cap - of which the embedder read the first ~256 word pieces: a phrase near
 # the end was unseen by dense search (outside QA). BERT-family tokenizers read one word piece per
-# CJK character; two count as a word, so a chunk holds 320 and the next starts 256 in - where
-# the model (256 pieces) stops reading - and a document at the 1,000,000-character cap still
-# makes at most 3,907 chunks, under the 4,096 a write may carry (one character a word made
-# 7,800, refused after embedding them all: review). Any other run without spaces counts one word
+# CJK character; two count as a word, so a chunk holds 320 and the next starts 256 in - about
+# where the model stops reading (its 256 pieces hold the title and two markers too, so a few
+# characters before each chunk boundary are BM25's only) - and CJK text at the 1,000,000-
+# character cap makes ~3,906 chunks, under the 4,096 a write may carry (one character a word
+# made 7,800: review). Text that mixes scripts without spaces can still make more; a write and
+# the builder refuse such a document before embedding it. Any other run without spaces counts one word
 # per MAX_RUN characters (no English word is that long; such text - base64, Thai - is still read
 # only ~256 pieces into each chunk, but no longer one chunk for a whole document).
 MAX_RUN = 64
-_CJK = "\u3001-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
+_CJK = ("\u3001-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+        "\uff01-\uff65\uff66-\uff9f")  # with the full-width punctuation Chinese uses (，：！？)
 _WORD = re.compile(f"[{_CJK}]{{1,2}}|[^\\s{_CJK}]{{1,{MAX_RUN}}}")
 
 
