@@ -783,3 +783,43 @@ def test_a_compacted_build_is_labelled_with_the_analyzer_that_wrote_its_bm25_ind
                 assert [h.doc_id for h in hits][:1] == ["cafe-1"], query
     finally:
         srv.stop()
+
+
+def test_a_compaction_whose_caller_goes_away_leaves_no_build_behind(two_builds, tiny_embedder,
+                                                                   monkeypatch):
+    """Review: a Compact whose caller was cancelled while the new build was written (its
+    deadline, the longest phase) left that build in place, never audited nor removed. The
+    build is now removed once the writing thread is done with it; the source keeps serving."""
+    import concurrent.futures
+    import time
+
+    from server.core import compaction
+
+    store, a, b = two_builds
+    real = compaction.compact_build
+    written, release = threading.Event(), threading.Event()
+
+    def slow(store_, coll):
+        desc = real(store_, coll)  # the new build is in place
+        written.set()
+        release.wait(60)
+        return desc
+
+    monkeypatch.setattr(compaction, "compact_build", slow)
+    srv = start_core_server(store.data_dir, tiny_embedder)
+    try:
+        job = asyncio.run_coroutine_threadsafe(srv.core.builds.compact("c"), srv.loop)
+        assert written.wait(120)
+        assert len(store.builds("c")) == 3  # a, b and the compacted build
+        job.cancel()
+        with pytest.raises(concurrent.futures.CancelledError):
+            job.result(30)
+        release.set()
+        deadline = time.monotonic() + 60
+        while sorted(store.builds("c")) != sorted([a.build_id, b.build_id]):
+            assert time.monotonic() < deadline, store.builds("c")
+            time.sleep(0.05)
+        assert store.live_build("c") == a.build_id
+    finally:
+        release.set()
+        srv.stop()

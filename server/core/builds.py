@@ -24,7 +24,7 @@ from server.backends.docstore import DocStore, LoggedWrite
 from server.config import ServerConfig
 from server.core import metrics
 from server.core.chunking import Chunk, embed_text, shard_of
-from server.core.collection import CollectionStore, atomic_write, shard_dir_name
+from server.core.collection import CollectionStore, ReleaseDescriptor, atomic_write, shard_dir_name
 from server.core.encoders import Encoders
 from server.core.engine.local import EnginePools, LocalShard
 from server.core.engine.state import check_writable, state_shard_dir
@@ -352,16 +352,20 @@ class BuildManager:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         before = {k: sum(s.index.states[k] for s in coll.shards) for k in ("live", "dead", "orphan")}
-        desc = await loop.run_in_executor(None, compact_build, self.store, coll)
         source = coll.desc.audit or {}
         min_recall = source.get("min_recall", 0.9)
         tuning = source.get("tuning") or {}
         target, pinned = tuning.get("target_recall"), tuple(tuning.get("pinned") or ())
-        auditing = loop.run_in_executor(None, lambda: audit_build(
-            self.store, name, desc.build_id, min_recall=min_recall, target_recall=target,
-            pinned=pinned))
+        made: dict = {}
+
+        def build_and_audit():
+            made["desc"] = new = compact_build(self.store, coll)
+            return new, audit_build(self.store, name, new.build_id, min_recall=min_recall,
+                                    target_recall=target, pinned=pinned)
+
+        job = loop.run_in_executor(None, build_and_audit)
         try:
-            audit = await asyncio.shield(auditing)  # a cancelled caller: the audit runs out
+            desc, audit = await asyncio.shield(job)  # a cancelled caller: the job runs out
             if not (audit["passed"] and audit["reconciliation"]["passed"]):
                 raise FailedPrecondition(f"compacted build {desc.build_id} failed its checks: "
                                          f"{audit}")
@@ -370,22 +374,31 @@ class BuildManager:
                                expect_live=coll.desc.build_id)
         except BaseException:  # a build that is not published is removed, whatever stopped it
             # (outside QA: each compaction that failed its audit left a whole build behind, and
-            # a scheduled one a new one every interval) - once its audit has stopped writing
-            # into it, and never once the alias names it (a publish that failed after its
-            # rename, in the directory's fsync: review)
-            def remove(_=None) -> None:
-                if self._live_or_none(name) != desc.build_id:
-                    shutil.rmtree(self.store.build_dir(name, desc.build_id), ignore_errors=True)
-
-            if auditing.done():
-                remove()
+            # a scheduled one a new one every interval; review: so did a caller cancelled while
+            # it was written) - once the job has stopped writing into it, never once the alias
+            # names it (a publish that failed after its rename, in the directory's fsync), and
+            # off the event loop (a build can be gigabytes)
+            if job.done():
+                await self._drop_unpublished(name, made.get("desc"))
             else:
-                auditing.add_done_callback(remove)
+                job.add_done_callback(lambda _: loop.create_task(
+                    self._drop_unpublished(name, made.get("desc"))))
             raise
         switched = await self.switch_build(name)  # the alias's: an operator's later publish wins
         return {"build_id": desc.build_id, "previous": coll.desc.build_id, "rows_before": before,
                 "rows_after": desc.chunks, "replayed": switched["replayed"],
                 "seconds": time.perf_counter() - t0}
+
+    async def _drop_unpublished(self, name: str, desc: Optional[ReleaseDescriptor]) -> None:
+        """Remove a compaction's build that was not published (off the loop: a build can be
+        gigabytes); never one the alias names."""
+        if desc is None or self._live_or_none(name) == desc.build_id:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, shutil.rmtree, self.store.build_dir(name, desc.build_id), True)
+        except RuntimeError:  # shutting down: the executor is gone, the build stays
+            log.warning("compacted build %s of %s not removed (shutting down)", desc.build_id, name)
 
     async def watch_aliases(self, interval: float) -> None:
         """Follow alias flips made by `index-builder publish` (poll; a flip is one file rename),
