@@ -823,3 +823,41 @@ def test_a_compaction_whose_caller_goes_away_leaves_no_build_behind(two_builds, 
     finally:
         release.set()
         srv.stop()
+
+
+def test_a_collection_whose_load_failure_passes_is_served_without_a_publish(two_builds, tiny_embedder,
+                                                                           cranfield_docs):
+    """Review: a failure that passes (a locked file, memory) left the collection out until its
+    alias moved; before, the server failed to start and a supervisor's restart retried. The
+    watcher now tries the same build again every RETRY_UNLOADABLE_S."""
+    import time
+
+    from conftest import publish_build
+
+    store, a, _ = two_builds
+    publish_build(store.data_dir, "ok", docs("ok", cranfield_docs, 20), tiny_embedder)
+    damaged = store.build_dir("c", a.build_id) / "shard-000" / "vectors.npy"
+    whole = damaged.read_bytes()
+    damaged.write_bytes(whole[:-64])
+    srv = start_core_server(store.data_dir, tiny_embedder)
+    srv.core.builds.RETRY_UNLOADABLE_S = 0.2
+    watcher = asyncio.run_coroutine_threadsafe(srv.core.builds.watch_aliases(0.1), srv.loop)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            req = pb.SearchRequest(collection="c", text="boundary layer", top_k=3)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Search(req, timeout=30)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            damaged.write_bytes(whole)  # the failure passes; the alias never moves
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    assert stub.Search(req, timeout=30).build_id == a.build_id
+                    break
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+                    time.sleep(0.1)
+    finally:
+        watcher.cancel()
+        srv.stop()

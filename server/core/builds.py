@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 class BuildManager:
     RETIRE_AFTER_S = 60.0  # longer than any request's deadline
+    RETRY_UNLOADABLE_S = 60.0  # a build that failed to load is tried again this often
 
     def __init__(self, config: ServerConfig, store: CollectionStore, registry: CollectionRegistry,
                  encoders: Encoders, writes: WritePath, pools: EnginePools,
@@ -54,6 +55,7 @@ class BuildManager:
         self._switching: dict[str, asyncio.Lock] = {}
         # collections left out because their live build failed to load: name -> that build
         self._unloadable: dict[str, Optional[str]] = {}
+        self._unloadable_at: dict[str, float] = {}
         self._failed_switch: dict[str, str] = {}  # name -> the published build a switch failed to
         self.on_switch = None  # async callback(collection) after a switch (an engine tells its front ends)
 
@@ -121,6 +123,7 @@ class BuildManager:
                       "collections are served, and %s is loaded again once a build of it is "
                       "published or rolled back to", name, what, type(exc).__name__, exc, name)
         self._unloadable[name] = build_id
+        self._unloadable_at[name] = time.monotonic()
         # callers hear what and why in general terms; the file paths are the server log's
         self.registry.mark_unloadable(name, f"{what} failed to load ({type(exc).__name__}); the "
                                             "server log names the cause - publish a working "
@@ -429,8 +432,10 @@ class BuildManager:
             if name in served or (wanted and name not in wanted):
                 continue
             build_id = self._live_or_none(name)
-            if name in self._unloadable and self._unloadable[name] == build_id:
-                continue  # the build that failed: tried again once the alias moves
+            if (name in self._unloadable and self._unloadable[name] == build_id
+                    and time.monotonic() - self._unloadable_at.get(name, 0.0) < self.RETRY_UNLOADABLE_S):
+                continue  # the build that failed: tried again once the alias moves, or a while on
+                # (a failure may have passed: a locked SQLite file, memory)
             try:
                 loaded = await asyncio.get_running_loop().run_in_executor(None, self.open_build, name)
             except BaseException as exc:

@@ -126,10 +126,13 @@ class ReleaseDescriptor:
             known = set(cls.__dataclass_fields__) - {"unknown"}
             unknown = {k: v for k, v in data.items() if k not in known}
             if unknown:
-                if str(source) not in _WARNED_UNKNOWN:
-                    _WARNED_UNKNOWN.add(str(source))
-                    log.warning("release descriptor %s has fields this version does not know "
-                                "(%s), written by a newer index-builder: ignored", source,
+                key = (str(source), data.get("collection"), data.get("build_id"))
+                if key not in _WARNED_UNKNOWN:
+                    _WARNED_UNKNOWN.add(key)
+                    log.warning("release descriptor %s (%s build %s) has fields this version "
+                                "does not know (%s), written by a newer index-builder: not used "
+                                "here, kept when the descriptor is rewritten", source,
+                                data.get("collection"), data.get("build_id"),
                                 ", ".join(sorted(unknown)))
             return cls(**{k: v for k, v in data.items() if k in known}, unknown=unknown)
         except (ValueError, TypeError) as exc:
