@@ -169,20 +169,33 @@ def test_words_match_with_or_without_their_accents_and_in_greek_capitals(stub):
         assert [h.doc_id for h in hits][:1] == [doc], (query, [h.doc_id for h in hits])
 
 
+V2 = "nfkc+simple+remove_long40+lower+stop_en+snowball_en/v2"
+LONG_RUSSIAN = "достопримечательность"  # 21 letters, 42 bytes
+
+
+def test_long_words_of_two_byte_letters_are_indexed(tmp_path):
+    """Outside QA: tokens of 40 bytes or more were dropped, so a 21-letter Russian or Greek word
+    (two bytes a letter) could never be found. Analyzer v3 drops them from 100 bytes."""
+    from server.backends.lexical import LexicalIndex
+
+    index = LexicalIndex.create(tmp_path / "v3")
+    index.add([(0, "", f"музей {LONG_RUSSIAN}", "default", {}, ("public",))])
+    assert list(index.search(LONG_RUSSIAN, 5, "default")[1]) == [0]
+
+
 def test_a_build_of_an_older_analyzer_is_queried_as_it_was_built(tmp_path):
-    """A v2 build indexed accents and final ς as they are: its queries keep them too (folding
-    only the queries would stop "κόσμος" matching the text it always matched)."""
-    from server.backends.lexical import LexicalIndex, analyzer_folds
+    """A v2 build indexed accents and final ς as they are, and dropped tokens from 40 bytes:
+    its queries and writes are analysed so too (folding only the queries would stop "κόσμος"
+    matching the text it always matched)."""
+    from server.backends.lexical import ANALYZER_VERSION, LexicalIndex, analyze, analyzer_folds
 
-    from server.backends.lexical import ANALYZER_VERSION
-
-    assert analyzer_folds(ANALYZER_VERSION)
-    assert not analyzer_folds("nfkc+simple+remove_long40+lower+stop_en+snowball_en/v2")
-    index = LexicalIndex.create(tmp_path / "v2")
-    index.fold = False  # as ShardIndex sets it for a v2 build
-    index.add([(0, "", "ο κόσμος", "default", {}, ("public",))])
-    scores, rows = index.search("κόσμος", 5, "default")
-    assert list(rows) == [0]
+    assert analyzer_folds(ANALYZER_VERSION) and not analyzer_folds(V2)
+    LexicalIndex.create(tmp_path / "v2")
+    index = LexicalIndex.open(tmp_path / "v2", version=V2)  # as ShardIndex opens a v2 build
+    index.add([(0, "", f"ο κόσμος {LONG_RUSSIAN}", "default", {}, ("public",))])
+    assert list(index.search("κόσμος", 5, "default")[1]) == [0]
+    assert list(index.search(LONG_RUSSIAN, 5, "default")[1]) == []  # dropped, as v2 did
+    assert analyze("κόσμος", V2) == ["κόσμος"] and analyze("κόσμος") == ["κοσμοσ"]
 
 
 def test_lexical_feedback_expands_the_bm25_query_with_terms_of_the_first_hits(stub):

@@ -4,7 +4,7 @@ Analyzer (documented and measured in docs/ARCHITECTURE.md): Unicode NFKC normali
 (so a decomposed "e" + combining accent, a ligature or a full-width letter index as the composed
 form a query types), then tantivy's `simple` tokenizer (splits on
 non-alphanumerics, so identifiers like NACA-TN-1234 become naca/tn/1234 and still match as terms),
-tokens of 40 bytes or more dropped, lowercase, English stopwords removed, Snowball English stemming.
+tokens of 100 bytes or more dropped (40 before v3), lowercase, English stopwords removed, Snowball English stemming.
 Queries go through the same analyzer and become a disjunction of term queries over title and text,
 a repeated term boosted by 1 + ln(count); no query syntax is parsed, so user text can never change
 the query's structure.
@@ -31,7 +31,7 @@ from server.core.types import TermStats
 from server.errors import IndexCorruptError
 
 ANALYZER_NAME = "en_bm25"
-ANALYZER_VERSION = "nfkc+fold_latin_greek+simple+remove_long40+lower+stop_en+snowball_en/v3"
+ANALYZER_VERSION = "nfkc+fold_latin_greek+simple+remove_long100+lower+stop_en+snowball_en/v3"
 
 # accents (combining marks) on a Latin or Greek letter; other scripts keep theirs, where a mark
 # can make another letter (Cyrillic й, Japanese kana's dakuten)
@@ -44,6 +44,12 @@ def analyzer_folds(version: str) -> bool:
     final sigma: v3 on. Older builds are analysed as they were built, or their terms would stop
     matching."""
     return "+fold_latin_greek+" in version
+
+
+def longest_token(version: str) -> int:
+    """Bytes from which a build's analyzer drops a token: 100 from v3 (40 before, which dropped
+    a 21-letter Russian or Greek word - two bytes a letter - so it could never be found)."""
+    return 100 if "+remove_long100+" in version else 40
 
 
 def normalize(text: str, fold: bool = True) -> str:
@@ -62,9 +68,9 @@ def normalize(text: str, fold: bool = True) -> str:
     return unicodedata.normalize("NFC", text).replace("ς", "σ")
 
 
-def make_analyzer() -> "tantivy.TextAnalyzer":
+def make_analyzer(version: str = ANALYZER_VERSION) -> "tantivy.TextAnalyzer":
     return (tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
-            .filter(tantivy.Filter.remove_long(40))
+            .filter(tantivy.Filter.remove_long(longest_token(version)))
             .filter(tantivy.Filter.lowercase())
             .filter(tantivy.Filter.stopword("english"))
             .filter(tantivy.Filter.stemmer("english"))
@@ -74,13 +80,18 @@ def make_analyzer() -> "tantivy.TextAnalyzer":
 _local = threading.local()
 
 
-def analyze(text: str, fold: bool = True) -> list[str]:
-    """The index's analysis of `text` (terms as an index of this analyzer version - with or
-    without `fold` - holds them), with one analyzer per thread."""
-    analyzer = getattr(_local, "analyzer", None)
+def analyze(text: str, version: str = ANALYZER_VERSION) -> list[str]:
+    """`text`'s terms as an index of that analyzer version holds them, with one analyzer per
+    thread and version."""
+    analyzers = getattr(_local, "analyzers", None)
+    if analyzers is None:
+        analyzers = _local.analyzers = {}
+    analyzer = analyzers.get(version)
     if analyzer is None:
-        analyzer = _local.analyzer = make_analyzer()
-    return analyzer.analyze(normalize(text, fold))
+        analyzer = analyzers[version] = make_analyzer(version)
+    if version.startswith("nfkc"):
+        text = normalize(text, analyzer_folds(version))
+    return analyzer.analyze(text)
 
 
 
@@ -157,16 +168,17 @@ class LexicalIndex:
     TIE_READ_FACTOR, TIE_READ_EXTRA = 4, 64
 
     def __init__(self, index: "tantivy.Index", schema: "tantivy.Schema",
-                 directory: Optional[Path] = None):
+                 directory: Optional[Path] = None, version: str = ANALYZER_VERSION):
         self.index = index
         self.schema = schema
         self.directory = directory
-        self.analyzer = make_analyzer()
-        # a build made by analyzer v1 indexed text as given, v2 without folding accents and final
-        # sigma: its queries and new writes are analysed as it was built, so old and new text
+        # the build's analyzer version (its descriptor's): a build made by analyzer v1 indexed
+        # text as given, v2 without folding accents and final sigma and dropping tokens from 40
+        # bytes: its queries and new writes are analysed as it was built, so old and new text
         # match alike
-        self.normalize = True
-        self.fold = True
+        self.analyzer = make_analyzer(version)
+        self.normalize = version.startswith("nfkc")
+        self.fold = analyzer_folds(version)
         # the searcher and its document count move together, on reload (see _snapshot)
         self._snap_lock = threading.Lock()
         self._count_lock = threading.Lock()
@@ -180,6 +192,7 @@ class LexicalIndex:
 
     @classmethod
     def create(cls, directory: Path) -> "LexicalIndex":
+        """A new index, of this version's analyzer (ANALYZER_VERSION)."""
         directory.mkdir(parents=True, exist_ok=True)
         schema = make_schema()
         index = tantivy.Index(schema, path=str(directory))
@@ -187,7 +200,8 @@ class LexicalIndex:
         return cls(index, schema, directory)
 
     @classmethod
-    def open(cls, directory: Path, read_only: bool = False) -> "LexicalIndex":
+    def open(cls, directory: Path, read_only: bool = False,
+             version: str = ANALYZER_VERSION) -> "LexicalIndex":
         """Open an index. tantivy takes a lock file in the directory even to read, so a read-only
         open (an audit of a published build on a read-only volume) reads a private copy."""
         directory = Path(directory)
@@ -198,12 +212,12 @@ class LexicalIndex:
             for entry in directory.iterdir():
                 if entry.is_file() and not entry.name.startswith(".tantivy-"):
                     shutil.copy2(entry, scratch / entry.name)
-            opened = cls.open(scratch)
+            opened = cls.open(scratch, version=version)
             opened._scratch = scratch
             return opened
         try:
             index = tantivy.Index.open(str(directory))
-            index.register_tokenizer(ANALYZER_NAME, make_analyzer())
+            index.register_tokenizer(ANALYZER_NAME, make_analyzer(version))
             # searchers move only on reload(): a write commits, then becomes visible together
             # with the store's visibility flip (see ShardIndex.apply_writes)
             index.config_reader(reload_policy="Manual")
@@ -211,7 +225,7 @@ class LexicalIndex:
             index.searcher().num_docs  # touch the segments: a damaged one fails here, not mid-query
         except Exception as exc:
             raise IndexCorruptError(f"cannot open lexical index in {directory}: {exc}") from exc
-        return cls(index, index.schema, directory)
+        return cls(index, index.schema, directory, version)
 
     def add(self, rows: Iterable[tuple[int, str, str, str, dict, Sequence[str]]], writer=None) -> int:
         """Add (row, title, text, tenant, metadata, acl) chunks; commit when we own the writer."""

@@ -257,7 +257,8 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str,
             mismatches.append(f"{where}: rows added since the build are not contiguous from {dense.ntotal}")
         if len(added_rows) and added_vecs.shape[1] != desc.dim:
             mismatches.append(f"{where}: rows added since the build lack {desc.dim}-d vectors")
-        lexical = LexicalIndex.open((live_dir or sdir) / "lexical", read_only=live_dir is None)
+        lexical = LexicalIndex.open((live_dir or sdir) / "lexical", read_only=live_dir is None,
+                                    version=desc.lexical_analyzer)
         try:
             indexed = set(lexical.indexed_rows())
         finally:

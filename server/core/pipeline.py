@@ -26,7 +26,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from server.backends.lexical import analyzer_folds
 from server.config import PipelineConfig
 from server.core import limits, metrics
 from server.core.assembly import ContextAssembler
@@ -614,7 +613,7 @@ class QueryPipeline:
                 return await loop.run_in_executor(
                     self.cpu, rm3_expansion, st.q.text, [t for t, _ in docs], [s for _, s in docs],
                     self._expansion_n(st), top_weight,
-                    analyzer_folds(st.coll.desc.lexical_analyzer))  # as the index analyses
+                    st.coll.desc.lexical_analyzer)  # as the index analyses
             except Exception as exc:  # feedback is an improvement, never a reason to fail
                 log.exception("lexical feedback failed")
                 st.notes.append(f"lexical feedback skipped: {type(exc).__name__}")

@@ -79,13 +79,13 @@ def minmax_fusion(scored: dict[str, Sequence[tuple[int, float]]],
 
 
 def rm3_expansion(query: str, texts: Sequence[str], weights: Sequence[float], n_terms: int,
-                  top_weight: float, fold: bool = True) -> tuple[tuple[str, float], ...]:
+                  top_weight: float, analyzer: Optional[str] = None) -> tuple[tuple[str, float], ...]:
     """RM3's relevance model over feedback texts: P(t|R) = sum_d w_d * tf(t, d) / |d| with w_d
     the hits' scores normalised to sum 1 (uniform when none is positive); the `n_terms` most
     likely analysed terms that are not already in the query (nor single characters), boosted
     proportionally, the first at `top_weight`, none below MIN_TERM_WEIGHT (a boost that rounds
     to 0 would be refused). Runs the index's analyzer: call it off the event loop."""
-    from server.backends.lexical import analyze
+    from server.backends.lexical import ANALYZER_VERSION, analyze
 
     if n_terms <= 0 or not texts:
         return ()
@@ -93,10 +93,11 @@ def rm3_expansion(query: str, texts: Sequence[str], weights: Sequence[float], n_
     total = sum(w)
     if total <= 0:
         w, total = [1.0] * len(texts), float(len(texts))
-    in_query = set(analyze(query, fold))
+    version = analyzer or ANALYZER_VERSION  # the build's (descriptor's) analyzer version
+    in_query = set(analyze(query, version))
     rel: dict[str, float] = {}
     for text, wd in zip(texts, w):
-        terms = analyze(text, fold)
+        terms = analyze(text, version)
         if not terms or wd <= 0:
             continue
         share = wd / total / len(terms)

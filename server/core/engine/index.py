@@ -44,7 +44,7 @@ from server.backends.dense import DenseIndex, RowFilter, SearchKnobs, exact_sear
 from server.backends.device import Device
 from server.backends.docstore import (PUBLIC_ACL, ChunkRecord, DocStore, FlipEntry,
                                       chunk_fingerprint)
-from server.backends.lexical import LexicalIndex, analyzer_folds, term_filterable
+from server.backends.lexical import LexicalIndex, term_filterable
 from server.core import metrics
 from server.core.chunking import chunk_id
 from server.core.collection import ReleaseDescriptor, shard_dir_name
@@ -186,9 +186,8 @@ class ShardIndex:
         if base is not None and (base.ndim != 2 or base.shape[1] != desc.dim):
             raise IndexCorruptError(f"vector file {vectors_path} holds {base.shape}, not (n, {desc.dim})")
         self.vectors = ShardVectors(base, desc.dim)
-        self.lexical = LexicalIndex.open(self.state_dir / "lexical")
-        self.lexical.normalize = desc.lexical_analyzer.startswith("nfkc")  # v2 on (see lexical.py)
-        self.lexical.fold = analyzer_folds(desc.lexical_analyzer)  # v3 on
+        # analysed as the build was (its analyzer version: see lexical.py)
+        self.lexical = LexicalIndex.open(self.state_dir / "lexical", version=desc.lexical_analyzer)
         self.records = RecordCache(record_cache_rows, (desc.collection, str(shard_no)))
         self._rw = RWLock()
         self._write_mutex = threading.Lock()
