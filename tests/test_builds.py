@@ -861,3 +861,46 @@ def test_a_collection_whose_load_failure_passes_is_served_without_a_publish(two_
     finally:
         watcher.cancel()
         srv.stop()
+
+
+def test_a_switch_whose_caller_goes_away_still_completes(two_builds, tiny_embedder, monkeypatch):
+    """Outside QA: a Compact whose deadline ran out during its switch (after the publish) left
+    the alias naming the new build while the old one served, and the new build's shards opening
+    on a worker thread with their state locked, so the next switch failed with "in use by" this
+    very process. A switch, once begun, now completes whatever its caller does."""
+    import concurrent.futures
+    import time
+
+    from server.core.builds import BuildManager
+
+    store, a, b = two_builds
+    real = BuildManager.open_build
+    opening, release = threading.Event(), threading.Event()
+
+    def slow_open(self, name, build_id=None):
+        if build_id == b.build_id:
+            opening.set()
+            release.wait(60)
+        return real(self, name, build_id)
+
+    monkeypatch.setattr(BuildManager, "open_build", slow_open)
+    srv = start_core_server(store.data_dir, tiny_embedder)
+    try:
+        store.publish("c", b.build_id, require_audit=False)
+        job = asyncio.run_coroutine_threadsafe(srv.core.builds.switch_build("c"), srv.loop)
+        assert opening.wait(60)
+        job.cancel()
+        with pytest.raises(concurrent.futures.CancelledError):
+            job.result(30)
+        release.set()
+        deadline = time.monotonic() + 60
+        while srv.core.registry.get("c").desc.build_id != b.build_id:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with grpc.insecure_channel(srv.address) as ch:
+            answer = pb_grpc.SearchServiceStub(ch).Search(
+                pb.SearchRequest(collection="c", text="boundary layer", top_k=3), timeout=30)
+            assert answer.build_id == b.build_id
+    finally:
+        release.set()
+        srv.stop()

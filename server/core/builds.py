@@ -307,7 +307,14 @@ class BuildManager:
     async def switch_build(self, name: str, build_id: Optional[str] = None) -> dict:
         """Serve `build_id` (default: the alias's live build) in place of the current build. One
         switch of a collection at a time: a compaction's own switch and the alias watcher's, which
-        saw the same flip, would otherwise both open the new build's state (and one fail)."""
+        saw the same flip, would otherwise both open the new build's state (and one fail). A
+        switch, once begun, runs to its end even if its caller goes away: cancelled halfway (a
+        Compact's deadline, outside QA) it left the new build's shards opening on a worker
+        thread - their state locked against the next try - and the alias ahead of the build
+        served."""
+        return await asyncio.shield(self._locked_switch(name, build_id))
+
+    async def _locked_switch(self, name: str, build_id: Optional[str]) -> dict:
         lock = self._switching.setdefault(name, asyncio.Lock())
         async with lock:
             return await self._switch_build(name, build_id)
