@@ -41,6 +41,7 @@ def hybrid_server(tmp_path_factory, tiny_embedder, tiny_reranker_dir):
         docs.append(Document(f"zx{i}", f"zyxmineral sample {w} {w} {w}", title=f"{w} note"))
     # Unicode forms: a decomposed accent (e + U+0301) and full-width letters
     docs.append(Document("greek1", "Ο κόσμος της Αθήνας και η οδός Πανεπιστημίου."))
+    docs.append(Document("latin1", "Die Straße nach Łódź und das ŒUVRE von Işık."))
     docs.append(Document("uni1", "Advice on re\u0301sume\u0301 writing for engineers.", title="careers"))
     docs.append(Document("uni2", "A \uff46\uff4c\uff55\uff58\uff47\uff41\uff54\uff45 magnetometer.",
                          title="instruments"))
@@ -164,7 +165,8 @@ def test_words_match_with_or_without_their_accents_and_in_greek_capitals(stub):
     final ς to σ, in text and queries alike."""
     for query, doc in (("ΚΟΣΜΟΣ", "greek1"), ("κόσμος", "greek1"), ("Κόσμος", "greek1"),
                        ("ΟΔΟΣ", "greek1"), ("οδος", "greek1"), ("resume", "uni1"),
-                       ("RÉSUMÉ", "uni1")):
+                       ("RÉSUMÉ", "uni1"), ("strasse", "latin1"), ("lodz", "latin1"),
+                       ("oeuvre", "latin1"), ("isik", "latin1"), ("ışık", "latin1")):
         hits = search(stub, text=query, mode=pb.LEXICAL).hits
         assert [h.doc_id for h in hits][:1] == [doc], (query, [h.doc_id for h in hits])
 
