@@ -18,6 +18,20 @@ from server.rpc import search_pb2_grpc as pb_grpc
 from conftest import REPO, start_core_server
 
 
+def answer_once_served(stub, req, refused, seconds=30.0):
+    """The first answer to `req` once the server serves it (a watcher loads the collection on
+    its next poll); until then every call must be refused with `refused`."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return stub.Search(req, timeout=30)
+        except grpc.RpcError as exc:
+            assert exc.code() == refused and time.monotonic() < deadline, exc
+            time.sleep(0.1)
+
+
 def docs(prefix, source, n):
     from index_builder.corpus import Document
 
@@ -398,8 +412,6 @@ def test_a_collection_published_after_the_start_is_served_without_a_restart(two_
                                                                            cranfield_docs):
     """Regression (outside QA): only the collections there at the start were followed; one
     published later answered NOT_FOUND until a restart."""
-    import time
-
     from conftest import publish_build
 
     store, _, _ = two_builds
@@ -417,14 +429,8 @@ def test_a_collection_published_after_the_start_is_served_without_a_restart(two_
             publish_build(store.data_dir, "later",
                           [Document("late-1", "zyxlater text"), *docs("later", cranfield_docs, 20)],
                           tiny_embedder)
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    assert [h.doc_id for h in stub.Search(req, timeout=30).hits] == ["late-1"]
-                    break
-                except grpc.RpcError as exc:
-                    assert exc.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() < deadline
-                    time.sleep(0.1)
+            answer = answer_once_served(stub, req, grpc.StatusCode.NOT_FOUND)
+            assert [h.doc_id for h in answer.hits] == ["late-1"]
     finally:
         watcher.cancel()
         srv.stop()
@@ -669,8 +675,6 @@ def test_a_collection_whose_build_fails_to_load_leaves_the_others_served(two_bui
     stopped the server from starting, taking every other collection of the data directory down.
     Now the others are served, the damaged one answers UNAVAILABLE naming the file, and it is
     served again once a working build of it is published."""
-    import time
-
     from prometheus_client import REGISTRY
 
     from conftest import publish_build
@@ -701,14 +705,8 @@ def test_a_collection_whose_build_fails_to_load_leaves_the_others_served(two_bui
 
             audit_build(store, "c", b.build_id)
             store.publish("c", b.build_id)  # a working build: served without a restart
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    answer = search("c")
-                    break
-                except grpc.RpcError as exc:
-                    assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
-                    time.sleep(0.1)
+            answer = answer_once_served(stub, pb.SearchRequest(collection="c", text="boundary layer",
+                                                               top_k=3), grpc.StatusCode.UNAVAILABLE)
             assert answer.build_id == b.build_id and len(answer.hits) == 3
             assert REGISTRY.get_sample_value("search_collection_unloadable", {"collection": "c"}) == 0
     finally:
@@ -830,8 +828,6 @@ def test_a_collection_whose_load_failure_passes_is_served_without_a_publish(two_
     """Review: a failure that passes (a locked file, memory) left the collection out until its
     alias moved; before, the server failed to start and a supervisor's restart retried. The
     watcher now tries the same build again every RETRY_UNLOADABLE_S."""
-    import time
-
     from conftest import publish_build
 
     store, a, _ = two_builds
@@ -850,14 +846,7 @@ def test_a_collection_whose_load_failure_passes_is_served_without_a_publish(two_
                 stub.Search(req, timeout=30)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             damaged.write_bytes(whole)  # the failure passes; the alias never moves
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    assert stub.Search(req, timeout=30).build_id == a.build_id
-                    break
-                except grpc.RpcError as exc:
-                    assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
-                    time.sleep(0.1)
+            assert answer_once_served(stub, req, grpc.StatusCode.UNAVAILABLE).build_id == a.build_id
     finally:
         watcher.cancel()
         srv.stop()
