@@ -80,7 +80,8 @@ class BuildManager:
     def load_all(self, names: Sequence[str] = ()) -> None:
         """Load every served collection's live build. A collection whose build fails to load is
         left out, its callers answered UNAVAILABLE with the reason, and retried once its alias
-        moves (a fixed build published, a rollback): one damaged build must not take the other
+        moves (a fixed build published, a rollback) and every RETRY_UNLOADABLE_S (by the alias
+        watcher, `_load_new_collections`): one damaged build must not take the other
         collections of the data directory down. Only when nothing loads does this raise (the
         first failure), so a server with nothing to serve does not start."""
         if not self.store.data_dir.is_dir():  # a typo served nothing, silently
@@ -116,7 +117,8 @@ class BuildManager:
 
     def _unloadable_now(self, name: str, build_id: Optional[str], exc: BaseException) -> None:
         """Record that `name` cannot be served from `build_id` (its live build, None when even
-        the alias is unreadable): callers hear why, the alias watcher retries once it moves."""
+        the alias is unreadable): callers hear why; the alias watcher retries once the alias
+        moves, or RETRY_UNLOADABLE_S on."""
         what = f"its live build {build_id}" if build_id else "its alias"
         if self._unloadable.get(name, ()) != build_id:  # once per build, not per poll
             log.error("not serving collection %s: %s failed to load (%s: %s); the other "
