@@ -19,11 +19,10 @@ from index_builder.corpus import Document
 from server.backends.dense import file_record
 from server.backends.docstore import PUBLIC_ACL, ChunkRecord, chunk_fingerprint
 from server.backends.lexical import ANALYZER_VERSION
-from server.core.chunking import CHUNKER_VERSION, chunk_id, document_chunks, embed_text, shard_of
+from server.core.chunking import CHUNKER_VERSION, capped_chunks, chunk_id, embed_text, shard_of
 from server.core.collection import NAME, CollectionStore, ReleaseDescriptor, check_name
 from server.core.build_writer import write_shard
 from server.core.collection import shard_dir_name
-from server.core.limits import MAX_CHUNKS_PER_DOC
 from server.core.validation import unit_vectors
 from server.errors import InvalidArgument
 
@@ -181,10 +180,10 @@ def _build(docs, collection, embedder, factory, shards, metric, search_defaults,
             chunks.append(PendingChunk(doc, 0, 0, len(doc.text), doc.text,
                                        chunk_id(doc.tenant, doc.doc_id, 0), s, i))
             continue
-        pieces = document_chunks(doc.title, doc.text)
-        if len(pieces) > MAX_CHUNKS_PER_DOC:  # the write API's cap: it could never be upserted again
-            raise ValueError(f"document {doc.doc_id!r} splits into {len(pieces)} chunks; a document "
-                             f"may have at most {MAX_CHUNKS_PER_DOC}: split it")
+        try:
+            pieces = capped_chunks(doc.title, doc.text, f"document {doc.doc_id!r}")
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
         for c in pieces:
             chunks.append(PendingChunk(doc, c.index, c.start, c.end, c.text,
                                        chunk_id(doc.tenant, doc.doc_id, c.index), s))

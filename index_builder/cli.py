@@ -403,7 +403,7 @@ def model_change_refusal(state_root: Path, collection: str, desc) -> Optional[st
     return (f"build {desc.build_id} embeds with {desc.model_id!r}, but the servers' state holds "
             f"streaming writes embedded with another model ({held}). A server switching to it "
             f"must re-embed them: one without that model's embedder refuses the switch, and after "
-            f"a restart refuses to start. Publish it with `index-builder publish --build "
+            f"a restart cannot serve the collection. Publish it with `index-builder publish --build "
             f"{desc.build_id} --allow-model-change` once every server loads the embedder of "
             f"{desc.model_id!r}.")
 

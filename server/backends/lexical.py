@@ -77,6 +77,12 @@ def normalize(text: str, fold: bool = True) -> str:
     return unicodedata.normalize("NFC", text).replace("ς", "σ").translate(_LATIN_LETTERS)
 
 
+def prepare(text: str, version: str = ANALYZER_VERSION) -> str:
+    """`text` as an index of that analyzer version reads it before tokenizing: as given (v1),
+    NFKC (v2), NFKC and folded (v3)."""
+    return normalize(text, analyzer_folds(version)) if version.startswith("nfkc") else text
+
+
 def make_analyzer(version: str = ANALYZER_VERSION) -> "tantivy.TextAnalyzer":
     return (tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
             .filter(tantivy.Filter.remove_long(longest_token(version)))
@@ -98,9 +104,7 @@ def analyze(text: str, version: str = ANALYZER_VERSION) -> list[str]:
     analyzer = analyzers.get(version)
     if analyzer is None:
         analyzer = analyzers[version] = make_analyzer(version)
-    if version.startswith("nfkc"):
-        text = normalize(text, analyzer_folds(version))
-    return analyzer.analyze(text)
+    return analyzer.analyze(prepare(text, version))
 
 
 
@@ -185,9 +189,8 @@ class LexicalIndex:
         # text as given, v2 without folding accents and final sigma and dropping tokens from 40
         # bytes: its queries and new writes are analysed as it was built, so old and new text
         # match alike
+        self.version = version
         self.analyzer = make_analyzer(version)
-        self.normalize = version.startswith("nfkc")
-        self.fold = analyzer_folds(version)
         # the searcher and its document count move together, on reload (see _snapshot)
         self._snap_lock = threading.Lock()
         self._count_lock = threading.Lock()
@@ -197,7 +200,7 @@ class LexicalIndex:
         self._scoped: dict[tuple, int] = {}  # (generation, tenant, field, term) -> live count
 
     def _text(self, text: str) -> str:
-        return normalize(text, self.fold) if self.normalize else text
+        return prepare(text, self.version)
 
     @classmethod
     def create(cls, directory: Path) -> "LexicalIndex":

@@ -9,6 +9,9 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from server.core.limits import MAX_CHUNKS_PER_DOC
+from server.errors import InvalidArgument
+
 CHUNK_WORDS = 160    # MiniLM reads 256 word pieces; 160 English words stay under that
 OVERLAP_WORDS = 32
 # v2: ids keyed by (tenant, doc_id); v3: a document with a title and no text is one empty chunk;
@@ -24,10 +27,10 @@ CHUNKER_VERSION = f"words-{CHUNK_WORDS}-{OVERLAP_WORDS}/v5"
 # where the model stops reading (its 256 pieces hold the title and two markers too, so a few
 # characters before each chunk boundary are BM25's only) - and CJK text at the 1,000,000-
 # character cap makes ~3,906 chunks, under the 4,096 a write may carry (one character a word
-# made 7,800: review). Text that mixes scripts without spaces can still make more; a write and
-# the builder refuse such a document before embedding it. Any other run without spaces counts one word
-# per MAX_RUN characters (no English word is that long; such text - base64, Thai - is still read
-# only ~256 pieces into each chunk, but no longer one chunk for a whole document).
+# made 7,800: review). Text that mixes scripts without spaces can still make more, and
+# capped_chunks refuses it before anything is embedded. Any other run without spaces counts one
+# word per MAX_RUN characters (no English word is that long; such text - base64, Thai - is still
+# read only ~256 pieces into each chunk, but no longer one chunk for a whole document).
 MAX_RUN = 64
 _CJK = ("\u3001-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
         "\uff01-\uff65\uff66-\uff9f")  # with the full-width punctuation Chinese uses (，：！？)
@@ -65,6 +68,18 @@ def document_chunks(title: str, text: str) -> list[Chunk]:
     chunks = chunk_text(text)
     if not chunks and title.strip():
         return [Chunk(0, 0, 0, "")]
+    return chunks
+
+
+def capped_chunks(title: str, text: str, what: str = "the text") -> list[Chunk]:
+    """document_chunks, refused (InvalidArgument, naming `what`) past the chunks a write may
+    carry: the write path and the builder check before embedding any (review: the shard refused
+    such a write after every chunk was embedded, and the builder built a document that could
+    never be upserted again)."""
+    chunks = document_chunks(title, text)
+    if len(chunks) > MAX_CHUNKS_PER_DOC:
+        raise InvalidArgument(f"{what} splits into {len(chunks)} chunks; a document may have at "
+                              f"most {MAX_CHUNKS_PER_DOC}: split it")
     return chunks
 
 

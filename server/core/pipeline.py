@@ -692,8 +692,8 @@ class QueryPipeline:
         a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
         # deeper until the page fills, a list comes back short (nothing more to find) or the
         # depth cap, 4x a round: 20 -> 80 -> 320 -> 1,280 -> 2,000 for top_k 10 (five rounds from
-        # top_k 1's depth of 2), each on half the time left. Two rounds left a page of 1 hit where 31 distinct passages sat behind 700
-        # copies of one boilerplate text (outside QA)
+        # top_k 1's depth of 2), each on half the time left. Two rounds left a page of 1 hit
+        # where 31 distinct passages sat behind 700 copies of one boilerplate text (outside QA)
         while self._can_deepen(st, a):
             if not await self._retrieve_deeper(st, tenant, acl_scopes, deadline):
                 break

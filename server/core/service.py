@@ -112,11 +112,14 @@ class SearchCore:
     async def stats(self, name: str, tenant: Optional[str] = None, digest: bool = False) -> dict:
         """Live counts from every shard (of one tenant's documents only when `tenant` is given:
         a tenant-scoped admin) and, for operators, each shard's applied log position and digest."""
-        coll = self.registry.get(name)
-        infos = await asyncio.gather(*(s.info(tenant, digest) for s in coll.shards))
+        infos = await self._infos(self.registry.get(name), tenant, digest)
         return {"documents": sum(i.documents for i in infos), "chunks": sum(i.chunks for i in infos),
                 "vectors": sum(i.vectors for i in infos), "shards": infos,
                 "stages": metrics.RECENT.percentiles()}
+
+    @staticmethod
+    async def _infos(coll: LoadedCollection, tenant: Optional[str], digest: bool = False) -> list:
+        return await asyncio.gather(*(s.info(tenant, digest) for s in coll.shards))
 
     async def describe(self, name: str, tenant: Optional[str] = None
                        ) -> tuple[ReleaseDescriptor, ReleaseDescriptor]:
@@ -129,7 +132,7 @@ class SearchCore:
         loaded = self.registry.get(name)
         desc = loaded.desc
         try:
-            infos = await asyncio.gather(*(s.info(tenant) for s in loaded.shards))
+            infos = await self._infos(loaded, tenant)
         except SearchError:
             if tenant is not None:
                 raise  # a tenant's view never shows the collection's own counts

@@ -16,8 +16,8 @@ from typing import Optional, Protocol
 
 import numpy as np
 
-from server.core import limits, metrics
-from server.core.chunking import document_chunks, embed_text, given_chunks, shard_of
+from server.core import metrics
+from server.core.chunking import capped_chunks, embed_text, given_chunks, shard_of
 from server.core.collection import ReleaseDescriptor
 from server.core.encoders import Encoders
 from server.core.registry import CollectionRegistry
@@ -145,11 +145,8 @@ class WritePath:
             text, chunks = given_chunks([t for t, _ in w.chunks])
             vectors = self._given_vectors(w, desc)
         else:
-            text, chunks = w.text, document_chunks(w.title, w.text)
+            text, chunks = w.text, capped_chunks(w.title, w.text)
             vectors = None
-            if len(chunks) > limits.MAX_CHUNKS_PER_DOC:  # before embedding them all (review)
-                raise InvalidArgument(f"the text splits into {len(chunks)} chunks; a document may "
-                                      f"have at most {limits.MAX_CHUNKS_PER_DOC}: split it")
         body["text"] = text
         if vectors is None:
             vectors = await self.encoders.embed_many([embed_text(w.title, c.text) for c in chunks], desc)
