@@ -109,6 +109,7 @@ def run_router(cfg: ServerConfig) -> None:
             from server.replication.log import ReplicatedWriteLog
 
             write_log = await ReplicatedWriteLog.connect(cfg.replication, collection)
+            await write_log.check_layout(len(replicas))
         core = SearchCore(cfg, embedder, reranker, device, write_log)
         holder["core"] = core
         await connect_router(core, collection, replicas, policy, credentials=credentials, token=token)

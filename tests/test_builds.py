@@ -701,6 +701,12 @@ def test_a_collection_whose_build_fails_to_load_leaves_the_others_served(two_bui
             assert a.build_id in err.value.details() and "IndexCorruptError" in err.value.details()
             assert str(store.data_dir) not in err.value.details()  # no server paths to callers
             assert REGISTRY.get_sample_value("search_collection_unloadable", {"collection": "c"}) == 1
+            admin = pb_grpc.AdminServiceStub(ch)
+            listed = {c.name: c for c in admin.ListCollections(pb.ListCollectionsRequest(),
+                                                               timeout=30).collections}
+            assert sorted(listed) == ["c", "ok"]  # listed, saying why, not gone
+            assert a.build_id in listed["c"].unavailable and not listed["c"].build_id
+            assert listed["ok"].unavailable == "" and listed["ok"].build_id
             from index_builder.build import audit_build
 
             audit_build(store, "c", b.build_id)
@@ -709,6 +715,9 @@ def test_a_collection_whose_build_fails_to_load_leaves_the_others_served(two_bui
                                                                top_k=3), grpc.StatusCode.UNAVAILABLE)
             assert answer.build_id == b.build_id and len(answer.hits) == 3
             assert REGISTRY.get_sample_value("search_collection_unloadable", {"collection": "c"}) == 0
+            served = [c for c in admin.ListCollections(pb.ListCollectionsRequest(),
+                                                       timeout=30).collections if c.name == "c"]
+            assert served[0].build_id == b.build_id and served[0].unavailable == ""
     finally:
         watcher.cancel()
         srv.stop()

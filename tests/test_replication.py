@@ -143,6 +143,11 @@ def test_a_retried_write_is_stored_once(cluster):
     assert (other.outcome, other.sequence) == (pb.WriteResponse.NOOP_STALE_VERSION, first.sequence)
     assert lexical(stub, "zyxretry", min_seq=first.sequence) == ["retry-1"]
     assert lexical(stub, "zyxotherbody", min_seq=first.sequence) == []
+    # the other operation under that version too (outside QA: a delete of the version an upsert
+    # wrote was ACCEPTED with a sequence of its own, and no replica ever applied it)
+    gone = write(stub, "retry-1", 4)
+    assert (gone.outcome, gone.sequence) == (pb.WriteResponse.NOOP_STALE_VERSION, first.sequence)
+    assert lexical(stub, "zyxretry", min_seq=first.sequence) == ["retry-1"]
 
 
 def test_replicas_that_applied_the_same_log_hold_the_same_rows_and_answer_the_same(cluster):
@@ -368,3 +373,97 @@ def test_a_write_log_that_lost_its_entries_takes_no_writes(repl_build, nats_serv
         for reps in shards:
             for p in reps:
                 p.stop()
+
+
+def test_read_your_writes_answers_at_once_when_the_log_is_down(repl_build, nats_server_factory,  # noqa: F811
+                                                               tiny_embedder_dir):
+    """Regression (outside QA): with NATS down, a search carrying a write's sequence waited out
+    its whole deadline (DEADLINE_EXCEEDED) on the shard that holds no entry at that sequence:
+    without the log it cannot tell whether the entry is one of its own. It now says so at once
+    (UNAVAILABLE, retryable); a shard that applied that far answers as before."""
+    data, _ = repl_build
+    nats = nats_server_factory()
+    shards = [[shard_proc(data, s, "ryw", nats.url)] for s in range(2)]
+    router = router_proc(data, nats.url, tiny_embedder_dir, shards)
+    try:
+        with grpc.insecure_channel(router.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            ack = write(stub, "ryw-1", 1, "zyxryw written before the log went down")
+            assert lexical(stub, "zyxryw", min_seq=ack.sequence) == ["ryw-1"]
+            nats.stop()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Search(pb.SearchRequest(collection="rc", text="zyxryw", mode=pb.LEXICAL, top_k=5,
+                                             min_applied_sequence=ack.sequence), timeout=60)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+            assert "cannot ask the log" in err.value.details()
+            assert lexical(stub, "zyxryw") == ["ryw-1"]  # reads without a sequence still answer
+    finally:
+        router.stop()
+        for reps in shards:
+            for p in reps:
+                p.stop()
+
+
+def test_a_build_of_another_shard_count_than_the_log_is_refused(tmp_path, nats_server_factory,  # noqa: F811
+                                                                tiny_embedder, cranfield_docs):
+    """Regression (outside QA): re-sharding along the deploy notes (a build with --shards 3 over
+    a 2-shard collection's log) made each new shard replay the old layout's subject: documents
+    landed on shards that do not hold them, deleted ones came back and old versions showed. The
+    log records the shard count its writes are placed by; a replica of another count refuses to
+    start (and to follow the alias to such a build), a router of another count takes no writes,
+    and an entry on a shard's subject for a document its build places elsewhere stops the
+    replica instead of being applied."""
+    import asyncio
+
+    from server.config import ReplicationConfig
+    from server.core.chunking import shard_of
+    from server.core.types import ShardWrite
+    from server.replication.log import ReplicatedWriteLog, connect_log
+    from server.transport.codec import shard_write_to_pb
+
+    (tmp_path / "token").write_text(TOKEN)
+    docs = cranfield_docs[:30]
+    two = publish_build(tmp_path, "rs", docs, tiny_embedder, shards=2)
+    three = publish_build(tmp_path, "rs", docs, tiny_embedder, shards=3)
+    publish_build(tmp_path, "rm", docs, tiny_embedder, shards=2)
+    nats = nats_server_factory()
+
+    def shard(collection, n, *extra):
+        return ShardProcess(tmp_path, collection, n, "--nats", nats.url, "--replica-id", f"{collection}{n}",
+                            "--shard-token-file", str(tmp_path / "token"), *extra)
+
+    first = shard("rs", 0, "--build", two.build_id)  # records the log's layout: 2 shards
+    try:
+        with pytest.raises(RuntimeError) as err:
+            shard("rs", 0, "--build", three.build_id)
+        assert "places documents on 2 shards" in str(err.value) and three.build_id in str(err.value)
+    finally:
+        first.stop()
+
+    async def router_side():
+        wlog = await ReplicatedWriteLog.connect(ReplicationConfig(nats=nats.url), "rs")
+        try:
+            assert await wlog.check_layout(2) is None
+            assert "fixed by its log" in await wlog.check_layout(3)
+            w = ShardWrite("delete", "default", "d1", 1, {}, (), None)
+            with pytest.raises(Exception) as refused:
+                await wlog.append("rs", 0, w, "id-1")
+            assert "places documents on 2 shards" in str(refused.value)
+        finally:
+            await wlog.close()
+
+    async def misplace():  # an entry the layout record cannot catch: a router that misrouted it
+        js = await connect_log(ReplicationConfig(nats=nats.url), "rm")
+        try:
+            doc = next(f"m{i}" for i in range(100) if shard_of("default", f"m{i}", 2) == 1)
+            w = ShardWrite("delete", "default", doc, 1, {}, (), None)
+            await js.publish(0, shard_write_to_pb(w, "rm", "").SerializeToString(), "misplaced")
+            return doc
+        finally:
+            await js.close()
+
+    asyncio.run(router_side())
+    doc = asyncio.run(misplace())
+    with pytest.raises(RuntimeError) as err:
+        shard("rm", 0)
+    assert f"document {doc!r}" in str(err.value) and "on shard 1 of 2" in str(err.value)

@@ -46,6 +46,15 @@ nats-server loses nothing it acknowledged (tested). It fsyncs only every ``sync_
 with ``num_replicas=3`` an append is acknowledged once a quorum of servers holds it, which is what
 protects against losing a machine.
 
+Layout
+------
+Writes are placed on shards by a hash of (tenant, document) modulo the shard count, so a log
+written for N shards means nothing to a build of M != N shards: its shard k's subject holds
+documents that build places elsewhere. The first router or replica to open the log records N on
+``writes.<token>.layout`` (`settle_layout`, atomically: the append expects that subject to be
+empty); everyone after compares its own shard count with it (a stream from before the record
+existed gets it from whoever opens it first).
+
 Readers
 -------
 `ShardLogReader` is a durable pull consumer of one shard subject for one replica. The replica's own
@@ -60,9 +69,11 @@ FAILED_PRECONDITION).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 from urllib.parse import urlsplit
@@ -97,6 +108,8 @@ SUBJECT_PREFIX = "writes"
 STREAM_PREFIX = "WRITES_"
 MSG_ID_HEADER = "Nats-Msg-Id"
 EXPECTED_STREAM_HEADER = "Nats-Expected-Stream"
+EXPECTED_SUBJECT_SEQ_HEADER = "Nats-Expected-Last-Subject-Sequence"
+LAYOUT_TOKEN = "layout"
 DEFAULT_DUPLICATE_WINDOW = 120.0
 # Stream and consumer names become directory names on the server: keep well under 255 bytes.
 MAX_TOKEN_LENGTH = 200
@@ -454,6 +467,11 @@ class JetStreamWriteLog:
         """The subject shard `shard` appends to. ValueError for a negative or non-int shard."""
         return f"{SUBJECT_PREFIX}.{self._token}.{_check_shard(shard)}"
 
+    @property
+    def layout_subject(self) -> str:
+        """Where the shard count the log's writes are placed by is recorded."""
+        return f"{SUBJECT_PREFIX}.{self._token}.{LAYOUT_TOKEN}"
+
     # ---- operations --------------------------------------------------------------------------
 
     async def wait_connected(self, timeout: float) -> None:
@@ -583,6 +601,55 @@ class JetStreamWriteLog:
             return await self._call(f"read the last sequence of {subject}", attempt, timeout)
         except nats.js.errors.APIError as exc:
             raise self._api_error(f"read the last sequence of {subject}", exc) from exc
+
+    async def layout(self, timeout: float = 5.0) -> int:
+        """The shard count recorded for this log (see Layout above); 0 when none is recorded."""
+        subject = self.layout_subject
+        timeout = _check_timeout(timeout)
+
+        async def attempt(t: float) -> int:
+            try:
+                msg = await self._nc.jsm(timeout=t).get_last_msg(self._stream, subject)
+            except nats.js.errors.NotFoundError as exc:
+                if exc.err_code == _ERR_NO_MESSAGE_FOUND:
+                    return 0
+                raise
+            try:
+                return int(json.loads(bytes(msg.data or b"{}")).get("shards", 0))
+            except (ValueError, AttributeError) as exc:
+                raise WriteLogError(f"{subject} holds no layout record ({exc})") from exc
+
+        try:
+            return await self._call(f"read the layout on {subject}", attempt, timeout)
+        except nats.js.errors.APIError as exc:
+            raise self._api_error(f"read the layout on {subject}", exc) from exc
+
+    async def settle_layout(self, shards: int, timeout: float = 5.0) -> int:
+        """The log's recorded shard count, recording `shards` first if none is: the append
+        expects the layout subject to be empty, so of two processes recording different counts
+        at once one wins and both read the winner's."""
+        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+            raise ValueError(f"shards must be a positive int, got {shards!r}")
+        recorded = await self.layout(timeout)
+        if recorded:
+            return recorded
+        subject = self.layout_subject
+        data = json.dumps({"shards": shards, "recorded_at": time.time()}).encode()
+
+        async def attempt(t: float) -> api.PubAck:
+            headers = {EXPECTED_STREAM_HEADER: self._stream, EXPECTED_SUBJECT_SEQ_HEADER: "0"}
+            return await self._js.publish(subject, data, timeout=t, headers=headers)
+
+        try:
+            await self._call(f"record the layout on {subject}", attempt, timeout)
+        except nats.js.errors.APIError as exc:
+            # "wrong last sequence": another process recorded one first; read it below
+            logger.info("layout of %s recorded by another process: %s", self._stream,
+                        _describe(exc))
+        recorded = await self.layout(timeout)
+        if not recorded:
+            raise WriteLogError(f"could not record the layout on {subject}")
+        return recorded
 
     async def payload_at(self, seq: int, timeout: float = 5.0) -> bytes:
         """The payload the stream holds at sequence `seq` (`WriteLogError` if it holds none)."""

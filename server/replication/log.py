@@ -3,7 +3,7 @@ replica's side that applies.
 
 Router: `ReplicatedWriteLog.append` encodes a ShardWrite (chunks, vectors, body) as the shard
 port's protobuf message and publishes it on the shard's subject with a message id derived from
-(collection, tenant, document, version, op), so a retried write is stored once. The write is
+(collection, tenant, document, version), so a retried write is stored once. The write is
 acknowledged once the log holds it; the acknowledgement carries the log sequence.
 
 Replica: `ShardReplicator` is one replica's durable consumer of one shard's subject. It applies
@@ -31,6 +31,7 @@ from typing import Optional
 
 from server.config import ReplicationConfig
 from server.core import metrics
+from server.core.chunking import shard_of
 from server.core.collection import shard_dir_name
 from server.core.types import ShardWrite
 from server.errors import FailedPrecondition, InvalidArgument, SearchError
@@ -70,6 +71,21 @@ async def connect_log(config: ReplicationConfig, collection: str) -> JetStreamWr
     return js
 
 
+async def layout_problem(js: JetStreamWriteLog, shards: int, whose: str) -> Optional[str]:
+    """Why `whose` (a router's replica sets, a replica's build), with `shards` shards, cannot
+    follow this log, or None. The log records the shard count its writes are placed by; shard k
+    of another count would take documents it does not hold (outside QA: after a re-shard along
+    the deploy notes, a new build's shards replayed the old layout's subjects, and deleted
+    documents and old versions came back)."""
+    recorded = await js.settle_layout(shards)
+    if recorded == shards:
+        return None
+    return (f"the write log of collection {js.collection!r} places documents on {recorded} shards "
+            f"and {whose} has {shards}: a collection's shard count is fixed by its log. To change "
+            f"it, build a new collection (another name, so another log) from a corpus holding "
+            f"every document, streamed ones included, and move clients to it")
+
+
 class ReplicatedWriteLog:
     """The router's write log (server/core/writes.py WriteLog) on JetStream."""
 
@@ -77,6 +93,15 @@ class ReplicatedWriteLog:
         self.js = js
         self.config = config
         self.broken: Optional[str] = None  # why appends are refused (check_against_replicas)
+        self.misplaced: Optional[str] = None  # why appends are refused (check_layout)
+
+    async def check_layout(self, shards: int) -> Optional[str]:
+        """Refuse appends when this router's `shards` replica sets do not match the shard count
+        the log's writes are placed by (see layout_problem); returns why, or None."""
+        self.misplaced = await layout_problem(self.js, shards, "this router's --replicas")
+        if self.misplaced:
+            log.error("write log: %s; writes are refused", self.misplaced)
+        return self.misplaced
 
     async def check_against_replicas(self, applied: dict[int, int]) -> Optional[str]:
         """The log can never end before a position a replica has applied: if it does, the stream
@@ -109,8 +134,8 @@ class ReplicatedWriteLog:
                      msg_id: str) -> tuple[int, bool]:
         from server.transport.codec import shard_write_to_pb
 
-        if self.broken:
-            raise FailedPrecondition(self.broken)
+        if self.broken or self.misplaced:
+            raise FailedPrecondition(self.broken or self.misplaced)
         message = shard_write_to_pb(write, collection, write.model_id)
         payload = message.SerializeToString()
         # the server counts the headers too (message id, expected stream): a margin for them
@@ -154,6 +179,10 @@ def _same_write(held: bytes, message) -> bool:
     return content(other) == content(message)
 
 
+class MisplacedWrite(FailedPrecondition):
+    """A log entry on this shard's subject for a document its build places on another shard."""
+
+
 def durable_name(replica_id: str, build_id: str, shard: int) -> str:
     """One durable consumer per replica and build: a new build replays from its own position."""
     raw = f"{replica_id}-{build_id}-{shard_dir_name(shard)}"
@@ -179,8 +208,8 @@ class ShardReplicator:
     def state(self) -> str:
         return "serving" if self.caught_up else "catching_up"
 
-    async def subject_last_sequence(self) -> int:
-        return await self.js.last_sequence(self.shard.shard_no)
+    async def subject_last_sequence(self, timeout: float = 5.0) -> int:
+        return await self.js.last_sequence(self.shard.shard_no, timeout=timeout)
 
     async def _open(self) -> None:
         if self.reader is not None:
@@ -207,11 +236,19 @@ class ShardReplicator:
             if self.config.apply_batch > 1:
                 entries += await self.reader.fetch(self.config.apply_batch - 1, 0.005)
         writes = []
+        shards, shard_no = self.shard.desc.shards, self.shard.shard_no
         for e in entries:
             msg = shard_pb2.ShardWrite()
             msg.ParseFromString(e.payload)
             w = shard_write_from_pb(msg, seq=e.seq)
             w.model_id = msg.model_id
+            owner = shard_of(w.tenant, w.doc_id, shards)
+            if owner != shard_no:  # nothing of this group is applied
+                raise MisplacedWrite(
+                    f"write-log entry {e.seq} ({w.op} of document {w.doc_id!r}) is on shard "
+                    f"{shard_no}'s subject, but build {self.shard.desc.build_id} places that "
+                    f"document on shard {owner} of {shards}: the log was written for another "
+                    f"shard count; this replica stops applying it")
             writes.append(w)
         outcomes = await self.shard.apply(writes)  # the applied sequence commits with the flip
         await self.reader.ack(entries)
@@ -256,6 +293,10 @@ class ShardReplicator:
                     await self._report_lag()
                 else:
                     self._lag_gauge.set(0)
+            except MisplacedWrite as exc:  # no retry applies it: out of rotation, loudly
+                self.caught_up = False
+                log.error("shard %d replicator: %s", self.shard.shard_no, exc)
+                return
             except (SearchError, WriteLogError) as exc:
                 log.warning("shard %d replicator: %s; retrying in %.1fs", self.shard.shard_no, exc,
                             backoff)

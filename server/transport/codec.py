@@ -73,10 +73,15 @@ def _retriever(pair, kind) -> Optional[pb.RetrieverScore]:
     return pb.RetrieverScore(rank=pair[0], score=pair[1], kind=kind)
 
 
-def result_to_pb(res: SearchResult, dense_kind: int) -> pb.SearchResponse:
-    out = pb.SearchResponse(build_id=res.build_id, corpus_version=res.corpus_version,
-                            model_id=res.model_id, partial=res.partial,
-                            shard_errors=res.shard_errors, context_tokens=res.context_tokens)
+def result_to_pb(res: SearchResult, dense_kind: int,
+                 out: Optional[pb.SearchResponse] = None) -> pb.SearchResponse:
+    """The response message; `out` (an empty one) is filled in place: a SearchBatch writes each
+    answer into its own slot instead of copying a finished message there."""
+    if out is None:
+        out = pb.SearchResponse()
+    out.build_id, out.corpus_version, out.model_id = res.build_id, res.corpus_version, res.model_id
+    out.partial, out.context_tokens = res.partial, res.context_tokens
+    out.shard_errors.extend(res.shard_errors)
     hits = out.hits
     for h in res.hits:
         rec = h.candidate.record

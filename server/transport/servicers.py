@@ -70,7 +70,9 @@ class SearchServicer(pb_grpc.SearchServiceServicer):
             if isinstance(a, SearchError):
                 out.results.add(code=status_for(a).value[0], message=str(a))
             else:
-                out.results.add(code=0, response=codec.result_to_pb(a, _dense_kind(self.core, r.collection)))
+                slot = out.results.add().response
+                slot.SetInParent()  # present even if every field of the answer is a default
+                codec.result_to_pb(a, _dense_kind(self.core, r.collection), slot)
         return out
 
     @boundary("UpsertDocument")
@@ -115,8 +117,13 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
     @boundary("ListCollections")
     async def ListCollections(self, request, context):
         principal = self.auth.authenticate(context.invocation_metadata()).require("admin")
-        return pb.ListCollectionsResponse(collections=[
-            await describe_pb(self.core, n, principal) for n in self.core.registry.names()])
+        registry = self.core.registry
+        listed = {n: await describe_pb(self.core, n, principal) for n in registry.names()}
+        # a collection whose build failed to load is listed too, saying why: an operator looking
+        # for it would otherwise find it gone, with its callers hearing UNAVAILABLE
+        listed.update({n: pb.CollectionDescription(name=n, unavailable=why)
+                       for n, why in registry.unloadable().items() if n not in listed})
+        return pb.ListCollectionsResponse(collections=[listed[n] for n in sorted(listed)])
 
     @boundary("DescribeCollection")
     async def DescribeCollection(self, request, context):

@@ -21,7 +21,7 @@ from server.config import ServerConfig
 from server.core.collection import CollectionStore
 from server.core.engine.local import EnginePools, LocalShard
 from server.core.faults import FaultSpec, FaultyShard
-from server.errors import SearchError
+from server.errors import FailedPrecondition, SearchError
 from server.transport.shard_rpc import shard_admission
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,17 @@ class ShardReplica:
             from server.replication.log import connect_log
 
             self.js = await connect_log(self.cfg.replication, self.collection)
+            await self._check_layout(self.local.desc)
             self.replicator = self._replicator(self.local)
+
+    async def _check_layout(self, desc) -> None:
+        """A build of another shard count than the log's writes are placed by is refused before
+        it applies any of them (server/replication/log.py layout_problem)."""
+        from server.replication.log import layout_problem
+
+        problem = await layout_problem(self.js, desc.shards, f"build {desc.build_id}")
+        if problem:
+            raise FailedPrecondition(problem)
 
     def _replicator(self, local: LocalShard):
         from server.replication.log import ShardReplicator
@@ -85,6 +95,7 @@ class ShardReplica:
     async def follow_aliases(self, interval: float, swap) -> None:
         """Serve the live build as it changes (only when no --build was given)."""
         loop = asyncio.get_running_loop()
+        refused, live = None, None
         while True:
             await asyncio.sleep(interval)
             try:
@@ -99,6 +110,8 @@ class ShardReplica:
                     _, new, replicator = back
                     started = True
                 else:
+                    if self.js is not None:  # before opening it: refused at every poll
+                        await self._check_layout(self.store.descriptor(self.collection, live))
                     new = await loop.run_in_executor(None, self._open, live)
                     replicator, started = None, False
                     try:
@@ -123,7 +136,10 @@ class ShardReplica:
                          old[1].desc.build_id, RETIRE_AFTER_S)
                 loop.call_later(RETIRE_AFTER_S, lambda o=old: loop.create_task(self._retire(o, swap)))
             except (SearchError, OSError, ValueError) as exc:
-                log.error("cannot follow %s to its live build: %s", self.collection, exc)
+                why = (live, str(exc))
+                if why != refused:  # once per build and reason, not at every poll
+                    log.error("cannot follow %s to its live build: %s", self.collection, exc)
+                refused = why
 
     async def _retire(self, which=None, swap=None) -> None:
         """Close the previous build (`which`, if it is still the previous one) and its log

@@ -26,6 +26,9 @@ from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, S
 from server.core.validation import validate_fetch, validate_shard_query, validate_shard_write
 from server.errors import DeadlineExceeded, SearchError, Unavailable
 
+# read-your-writes asks the write log where this shard's last entry is: at most this long, and
+# never past the request's deadline
+PROBE_TIMEOUT_S = 5.0
 
 @dataclass
 class EnginePools:
@@ -191,15 +194,28 @@ class LocalShard:
         """Read-your-writes: wait (within the deadline) until every write-log entry of this
         shard up to `seq` is applied. Sequences count every shard's entries, so only this shard's
         last entry at or below `seq` matters: the log says where that is (the probe)."""
+        if self.index.applied_seq >= seq:
+            return
         if self._applied is None:
             self._applied = asyncio.Condition()
         loop = asyncio.get_running_loop()
         target = seq
         if self.watermark_probe is not None:
+            left = PROBE_TIMEOUT_S if deadline is None else min(PROBE_TIMEOUT_S, deadline - loop.time())
             try:
-                target = min(seq, await self.watermark_probe())
-            except SearchError:
-                pass  # the log is unreachable: wait for `seq` itself
+                if left <= 0:
+                    raise DeadlineExceeded("no time left to ask the write log")
+                target = min(seq, await self.watermark_probe(left))
+            except SearchError as exc:
+                # without the log this shard cannot tell whether `seq` is one of its writes; when
+                # it is not, waiting for it would only wait out the caller's deadline (outside QA:
+                # with NATS down every read-your-writes search hung for its whole deadline)
+                if self.index.applied_seq < seq:
+                    raise Unavailable(
+                        f"shard {self.shard_no} has applied the write log to "
+                        f"{self.index.applied_seq}, not yet {seq}, and cannot ask the log whether "
+                        f"{seq} holds a write of this shard ({exc}); retry when the write log "
+                        f"answers") from None
         async with self._applied:
             while self.index.applied_seq < target:
                 left = None if deadline is None else deadline - loop.time()
