@@ -467,3 +467,29 @@ def test_a_build_of_another_shard_count_than_the_log_is_refused(tmp_path, nats_s
     with pytest.raises(RuntimeError) as err:
         shard("rm", 0)
     assert f"document {doc!r}" in str(err.value) and "on shard 1 of 2" in str(err.value)
+
+
+def test_a_retry_embedded_again_is_the_same_write():
+    """A router embeds a retried upsert's text again, in another model batch, where the last bits
+    of the vectors round differently: still the same write (ACCEPTED, its sequence), not
+    another body under the version (NOOP_STALE_VERSION). Other vectors or text are another."""
+    import numpy as np
+
+    from server.core.chunking import Chunk
+    from server.core.types import ShardWrite
+    from server.replication.log import _same_write
+    from server.transport.codec import shard_write_to_pb
+
+    v = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    chunks = (Chunk(0, 0, 5, "hello"), Chunk(1, 6, 11, "world"))
+
+    def msg(vectors, text="world"):
+        cs = chunks[:1] + (Chunk(1, 6, 11, text),)
+        return shard_write_to_pb(ShardWrite("upsert", "default", "d", 3, {"title": "t"}, cs, vectors),
+                                 "c", "m")
+
+    held = msg(v).SerializeToString()
+    assert _same_write(held, msg(v))
+    assert _same_write(held, msg(v * np.float32(1 + 1e-6)))  # re-embedded: rounding only
+    assert not _same_write(held, msg(v + 0.05))                 # other vectors
+    assert not _same_write(held, msg(v, text="there"))          # other text
