@@ -649,3 +649,44 @@ def test_a_delete_file_left_by_a_commit_cut_off_by_a_crash_does_not_fail_later_c
     assert not any(p.exists() for p in stray if p.name not in named)
     _, rows = lex.search("alpha", 20)
     assert sorted(rows) == [0, 1, 2, 5, 6, 7, 8, 9, 10]
+
+
+FAILED_COMMIT = r'''
+import json, resource, signal, sys, tempfile
+from pathlib import Path
+from server.backends.lexical import LexicalIndex
+
+ix = LexicalIndex.create(Path(tempfile.mkdtemp()) / "lex")
+ix.add_committed([(0, "", "alpha text", "default", {}, ("*",))])
+# a replace of row 0 by row 1 whose commit fails writing its files (as on a full disk): the
+# process may write no byte past the first of any file (EFBIG, its signal ignored)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1, hard))
+try:
+    ix.stage([(1, "", "beta text", "default", {}, ("*",))], [0])
+    failed = ""
+except Exception as exc:
+    failed = type(exc).__name__
+finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+ix.stage([(2, "", "gamma text", "default", {}, ("*",))], [])  # the next write, disk space back
+ix.publish()
+print(json.dumps({"failed": failed, **{w: ix.search(w, 5)[1] for w in ("alpha", "beta", "gamma")}}))
+'''
+
+
+def test_a_failed_bm25_commit_leaves_nothing_for_the_next_commit_to_carry_out():
+    """Regression (outside QA, a full disk): a replace whose BM25 commit failed left its adds and
+    deletes queued on the index's writer, and the next write's commit carried them out - the old
+    version dropped out of lexical search while dense still served it. A failed commit now rolls
+    the writer back to the last commit. The failure is real (a write past the process's file
+    size limit), in a process of its own."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", FAILED_COMMIT], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["failed"]  # the commit did fail
+    assert got == {"failed": got["failed"], "alpha": [0], "beta": [], "gamma": [2]}

@@ -15,6 +15,7 @@ and, for range filters, the set of eligible rows), so ranking only ever sees eli
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -22,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import unicodedata
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, NamedTuple, Optional, Sequence
 
@@ -29,6 +31,8 @@ import tantivy
 
 from server.core.types import TermStats
 from server.errors import IndexCorruptError
+
+log = logging.getLogger(__name__)
 
 ANALYZER_NAME = "en_bm25"
 ANALYZER_VERSION = "nfkc+fold_latin_greek+simple+remove_long100+lower+stop_en+snowball_en/v3"
@@ -276,12 +280,32 @@ class LexicalIndex:
             self._writer.garbage_collect_files()
         return self._writer
 
+    @contextmanager
+    def _one_commit(self):
+        """The long-lived writer, for operations that commit together or not at all: when the
+        commit (or anything before it) fails, the writer is rolled back to the last commit.
+        Otherwise the failed write's queued adds and deletes rode along with the next write's
+        commit (outside QA: after a commit failed on a full disk, the next write carried out the
+        failed replace's deletes, and the document dropped out of lexical search)."""
+        w = self.writer()
+        try:
+            yield w
+            w.commit()
+        except BaseException:
+            try:
+                w.rollback()
+            except BaseException as exc:  # noqa: BLE001 - a writer that cannot roll back goes
+                log.error("BM25 writer of %s could not roll back a failed commit (%s): "
+                          "reopened", self.directory, exc)
+                self._writer = None  # the next write opens a new one (its lock freed with it)
+                del w
+            raise
+
     def add_committed(self, rows) -> None:
         """Add chunks and commit (durable), then make them searchable (the caller masks them until
         the store says they are live)."""
-        w = self.writer()
-        self.add(rows, writer=w)
-        w.commit()
+        with self._one_commit() as w:
+            self.add(rows, writer=w)
         self._reload()
 
     def delete_rows(self, rows: Sequence[int]) -> None:
@@ -293,11 +317,10 @@ class LexicalIndex:
         (tests/test_live_data.py pins this)."""
         if not len(rows):
             return
-        w = self.writer()
-        for start in range(0, len(rows), self.DELETE_BATCH):
-            block = [int(r) for r in rows[start:start + self.DELETE_BATCH]]
-            w.delete_documents_by_query(tantivy.Query.term_set_query(self.schema, "row", block))
-        w.commit()
+        with self._one_commit() as w:
+            for start in range(0, len(rows), self.DELETE_BATCH):
+                block = [int(r) for r in rows[start:start + self.DELETE_BATCH]]
+                w.delete_documents_by_query(tantivy.Query.term_set_query(self.schema, "row", block))
         self._reload()
 
     DELETE_BATCH = 4096
@@ -305,12 +328,11 @@ class LexicalIndex:
     def stage(self, add: Iterable, delete: Sequence[int]) -> None:
         """Add chunks and delete rows in ONE commit, durable but not yet searched: `publish`
         makes searchers see it (the shard does that in the same step as its visibility flip)."""
-        w = self.writer()
-        self.add(add, writer=w)
-        for start in range(0, len(delete), self.DELETE_BATCH):
-            block = [int(r) for r in delete[start:start + self.DELETE_BATCH]]
-            w.delete_documents_by_query(tantivy.Query.term_set_query(self.schema, "row", block))
-        w.commit()
+        with self._one_commit() as w:
+            self.add(add, writer=w)
+            for start in range(0, len(delete), self.DELETE_BATCH):
+                block = [int(r) for r in delete[start:start + self.DELETE_BATCH]]
+                w.delete_documents_by_query(tantivy.Query.term_set_query(self.schema, "row", block))
 
     def publish(self) -> None:
         """Searchers see everything committed so far."""
