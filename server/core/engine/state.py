@@ -73,6 +73,15 @@ def prepare(build_shard: Path, state_shard: Path, files: Optional[dict] = None) 
         fcntl.flock(lock, fcntl.LOCK_EX)  # two processes opening one shard's state: one copies
         if (state_shard / READY).is_file():
             return state_shard
+        if (state_shard / "docstore.sqlite").exists():
+            # every state is renamed into place with its marker inside, so a store without one
+            # lost the marker, not its copy; remaking the state would delete the writes the
+            # store holds (outside QA: a removed marker silently undid every acknowledged write)
+            raise IndexCorruptError(
+                f"shard state {state_shard} holds a document store but no {READY} marker: it "
+                f"may hold writes applied since the build. If the state is intact, restore the "
+                f"marker (a file holding the build's shard directory, {build_shard}); to serve "
+                f"the build again without those writes, remove {state_shard}")
         tmp = parent / f".tmp-{state_shard.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -80,7 +89,7 @@ def prepare(build_shard: Path, state_shard: Path, files: Optional[dict] = None) 
             _copy_store(build_shard / "docstore.sqlite", tmp / "docstore.sqlite")
             _link_tree(build_shard / "lexical", tmp / "lexical")
             (tmp / READY).write_text(str(build_shard) + "\n")
-            if state_shard.exists():  # a leftover without READY (an older layout): replace it
+            if state_shard.exists():  # a leftover without a store (nothing written): replace it
                 shutil.rmtree(state_shard)
             os.rename(tmp, state_shard)
         except BaseException:
