@@ -171,3 +171,32 @@ def test_queries_go_before_queued_ingest_and_batches_never_mix_classes():
     assert dev.calls[1] == [1, 2, 3]  # the queries, although they arrived after the ingest
     assert all(len(c) <= 4 and all(x >= 100 for x in c) for c in dev.calls[2:])
     assert sum(len(c) for c in dev.calls) == 14
+
+
+def test_requests_share_the_device_in_turn_not_in_arrival_order():
+    """Regression (outside QA): one client's 1,024-query SearchBatch (or a 200-pair rerank)
+    queued whole ahead of a single search that arrived after it, which waited ~4 s. Items of
+    one request share a flow; batches take the flows' items in turn."""
+    dev = Device()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        b = MicroBatcher("t", dev, max_batch=4, max_tokens=10_000, max_wait_ms=0)
+        dev.gate.clear()
+        first = asyncio.ensure_future(b.submit(0))
+        await loop.run_in_executor(None, dev.entered.wait, 10)  # [0] holds the device
+        big, small = object(), object()
+        bulk = [asyncio.ensure_future(b.submit(100 + i, flow=big)) for i in range(40)]
+        await asyncio.sleep(0)
+        single = asyncio.ensure_future(b.submit(7, flow=small))
+        await asyncio.sleep(0)
+        dev.gate.set()
+        out = await asyncio.gather(first, *bulk, single)
+        await b.close()
+        return out
+
+    out = run(main())
+    assert out == [0, *[(100 + i) * 2 for i in range(40)], 14]
+    assert dev.calls[0] == [0]
+    assert dev.calls[1] == [100, 7, 101, 102]  # the single search's turn comes at once
+    assert [x for c in dev.calls[2:] for x in c] == list(range(103, 140))  # the rest in order

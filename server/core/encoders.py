@@ -73,9 +73,10 @@ class Encoders:
         return list(zip(vectors, counts))
 
     async def embed(self, text: str, desc: ReleaseDescriptor, deadline: Optional[float] = None,
-                    notes: Optional[list[str]] = None, background: bool = False) -> np.ndarray:
+                    notes: Optional[list[str]] = None, background: bool = False,
+                    flow: object = None) -> np.ndarray:
         """Embed through the cache (key: model id + sha256 of the text, shared by queries and
-        ingest) and the micro-batcher."""
+        ingest) and the micro-batcher; `flow`: the request it is part of (batcher.py)."""
         self.check_model(desc)
         key = (self.embedder.model_id, hashlib.sha256(text.encode()).hexdigest())
         cached = self._cache.get(key)
@@ -86,7 +87,7 @@ class Encoders:
         else:
             metrics.labelled(metrics.EMBED_CACHE, "miss").inc()
             vec, tokens = await self.embed_batcher.submit(text, self._estimate(text), deadline,
-                                                          background)
+                                                          background, flow)
         if tokens is not None and tokens > self.embedder.max_length and notes is not None:
             notes.append(f"query has {tokens} tokens; embedded its first {self.embedder.max_length}")
         if cached is not None:
@@ -107,13 +108,14 @@ class Encoders:
     def can_rerank(self) -> bool:
         return self.rerank_batcher is not None
 
-    async def rerank(self, query: str, passages: Sequence[str],
-                     deadline: Optional[float]) -> list[float]:
+    async def rerank(self, query: str, passages: Sequence[str], deadline: Optional[float],
+                     flow: object = None) -> list[float]:
         if self.rerank_batcher is None:
             raise FailedPrecondition("rerank_depth was given but this server has no cross-encoder "
                                      "(start it with --reranker DIR)")
         return [float(s) for s in await asyncio.gather(*(
-            self.rerank_batcher.submit((query, p), (len(query) + len(p)) // 4 + 3, deadline)
+            self.rerank_batcher.submit((query, p), (len(query) + len(p)) // 4 + 3, deadline,
+                                       flow=flow)
             for p in passages))]
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:

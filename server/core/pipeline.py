@@ -90,6 +90,7 @@ class _Query:
     fused: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    flow: object = None  # the request it came in: the model queues share the device by request
 
     @property
     def live(self) -> bool:
@@ -119,16 +120,17 @@ class QueryPipeline:
                      deadline: Optional[float]) -> list:
         """One answer per query, in order: a SearchResult, or the SearchError of that query."""
         t_start = time.perf_counter()
+        flow = object()  # this request, in the model queues (batcher.py)
         chunk = self.config.batch_chunk
         if chunk <= 0 or len(queries) <= chunk:
-            return await self._search(self._prepared(queries, tenant, acl_scopes), tenant,
+            return await self._search(self._prepared(queries, tenant, acl_scopes, flow), tenant,
                                       acl_scopes, deadline, t_start)
         if any(q.text for q in queries):
             # one statistics round for the whole batch: each chunk's own round would queue
             # behind the other chunks' searches and could run past its budget, leaving that
             # chunk's queries on per-shard statistics (scores unlike Search's). One round, one
             # budget; it runs while the chunks embed, and each chunk takes its statistics after
-            states = self._prepared(queries, tenant, acl_scopes)
+            states = self._prepared(queries, tenant, acl_scopes, flow)
             stats_round = self._collection_term_stats(states, tenant, acl_scopes, deadline)
             shared = asyncio.ensure_future(stats_round) if stats_round is not None else None
             parts = [self._search(states[i:i + chunk], tenant, acl_scopes, deadline, t_start,
@@ -136,7 +138,7 @@ class QueryPipeline:
                      for i in range(0, len(states), chunk)]
         else:  # vectors alone: no round; each chunk is prepared while the ones before it search
             parts = [self._prepared_search(queries[i:i + chunk], tenant, acl_scopes, deadline,
-                                           t_start) for i in range(0, len(queries), chunk)]
+                                           t_start, flow) for i in range(0, len(queries), chunk)]
             shared = None
         tasks = [asyncio.ensure_future(part) for part in parts]
         try:
@@ -152,16 +154,16 @@ class QueryPipeline:
         return [answer for part in parts for answer in part]
 
     def _prepared(self, queries: Sequence[SearchQuery], tenant: str,
-                  acl_scopes: tuple) -> list[_Query]:
-        states = [_Query(q) for q in queries]
+                  acl_scopes: tuple, flow: object) -> list[_Query]:
+        states = [_Query(q, flow=flow) for q in queries]
         for st in states:
             self._prepare(st, tenant, acl_scopes)
         return states
 
     async def _prepared_search(self, queries: Sequence[SearchQuery], tenant: str,
                                acl_scopes: tuple, deadline: Optional[float],
-                               t_start: float) -> list:
-        return await self._search(self._prepared(queries, tenant, acl_scopes), tenant, acl_scopes,
+                               t_start: float, flow: object) -> list:
+        return await self._search(self._prepared(queries, tenant, acl_scopes, flow), tenant, acl_scopes,
                                   deadline, t_start)
 
     async def _search(self, states: list[_Query], tenant: str, acl_scopes: tuple,
@@ -295,7 +297,8 @@ class QueryPipeline:
 
     async def _embed(self, st: _Query, deadline: Optional[float]) -> None:
         try:
-            st.vector = await self.encoders.embed(st.q.text, st.coll.desc, deadline, st.notes)
+            st.vector = await self.encoders.embed(st.q.text, st.coll.desc, deadline, st.notes,
+                                                  flow=st.flow)
         except SearchError as exc:
             st.error = exc
         except Exception as exc:  # this query fails alone; the batch's others answer
@@ -679,7 +682,8 @@ class QueryPipeline:
             self._check_deadline(deadline, "rerank")
             head = await self._with_text(st, ranked[:q.rerank_depth], tenant, acl_scopes, deadline)
             t = time.perf_counter()
-            scores = await self.encoders.rerank(q.text, [h.candidate.record.text for h in head], deadline)
+            scores = await self.encoders.rerank(q.text, [h.candidate.record.text for h in head],
+                                                deadline, st.flow)
             order = sorted(range(len(head)), key=lambda i: (-scores[i], head[i].candidate.chunk_id))
             reranked = []
             for rank, i in enumerate(order, start=1):
