@@ -1,5 +1,9 @@
 """Domain errors. The core and backends raise these; server/transport/errors.py maps them to gRPC
 status codes in one table. Nothing here imports grpc."""
+from __future__ import annotations
+
+import errno
+from typing import Optional
 
 
 class SearchError(Exception):
@@ -46,6 +50,27 @@ class Unauthenticated(SearchError):
 
 class PermissionDenied(SearchError):
     """Valid credentials, but not allowed to do this."""
+
+
+class StorageFull(SearchError):
+    """The volume a write (or a load) needs to write to is full; nothing is damaged."""
+
+
+def is_storage_full(exc: Optional[BaseException]) -> bool:
+    """Whether `exc` (or an exception it was raised from) says the storage under it is full,
+    however its library puts it: an OSError (ENOSPC, EDQUOT), SQLite's "database or disk is
+    full", tantivy's I/O error text."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if any(s in text for s in ("database or disk is full", "No space left on device",
+                                   "Disk quota exceeded", "StorageFull")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class IndexCorruptError(SearchError):

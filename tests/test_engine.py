@@ -1160,3 +1160,49 @@ def test_bm25_statistics_count_only_the_documents_the_callers_scopes_read(tmp_pa
         assert shown[0][1] == pytest.approx(alone, rel=0.05)  # field lengths stay the index's
     finally:
         index.close()
+
+
+def test_a_full_volume_is_a_clear_retryable_refusal_and_changes_nothing(tmp_path, rng):
+    """Outside QA (a full disk): writes failed INTERNAL "OperationalError" - the SQLite error
+    itself hidden by a ROLLBACK of a transaction SQLite had already rolled back - which clients do
+    not retry and which did not say the disk was full. Now RESOURCE_EXHAUSTED naming the state
+    volume, nothing applied, and the write goes through once there is room. The full volume is
+    SQLite's own: the store may not grow past its size (max_page_count), SQLITE_FULL."""
+    import grpc
+
+    from index_builder.corpus import Document
+    from server.core.chunking import document_chunks
+    from server.core.collection import CollectionStore
+    from server.core.engine.index import ShardIndex
+    from server.core.types import ShardQuery, ShardWrite
+    from server.errors import StorageFull
+    from server.transport.errors import status_for
+
+    docs = [Document(f"d{i}", f"plain words number {i}") for i in range(8)]
+    desc = publish_build(tmp_path, "full", docs, None,
+                         vectors=rng.standard_normal((8, 8)).astype(np.float32), model_id="m")
+    index = ShardIndex(desc, CollectionStore(tmp_path).build_dir("full", desc.build_id),
+                       tmp_path / ".state", 0, None, 0)
+    text = "zyxfull " + "filler words " * 2000
+    chunks = tuple(document_chunks("", text))
+    write = ShardWrite("upsert", "default", "big", 1, {"title": "", "text": text}, chunks,
+                       rng.standard_normal((len(chunks), 8)).astype(np.float32))
+
+    def found():
+        q = ShardQuery(desc.build_id, "default", None, "m", "zyxfull", 0, 5)
+        return [c.record.doc_id for c in index.search_group([q])[0].lexical]
+
+    try:
+        conn = index.store._conn()  # this thread's connection: apply_writes runs on it
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count={pages}")
+        with pytest.raises(StorageFull) as err:
+            index.apply_writes([write])
+        assert "is full" in str(err.value) and "database or disk is full" in str(err.value)
+        assert status_for(err.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert found() == [] and index.states["live"] == 8
+        conn.execute("PRAGMA max_page_count=1073741823")  # room again
+        assert index.apply_writes([write])[0].outcome == "applied"
+        assert found() == ["big"]
+    finally:
+        index.close()

@@ -231,7 +231,10 @@ class DocStore:
             conn.execute("COMMIT")
             return out
         except BaseException:
-            conn.execute("ROLLBACK")
+            # SQLite has rolled back already after some errors (SQLITE_FULL: a full disk); a
+            # ROLLBACK then raised "no transaction is active" in place of the error itself
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
 
     # --- writes (builder) --------------------------------------------------------------------

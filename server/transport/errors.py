@@ -22,6 +22,7 @@ STATUS = (  # most specific first
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.StorageFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),

@@ -52,8 +52,8 @@ from server.core.engine.state import lock_state, prepare, state_shard_dir
 from server.core.rwlock import RWLock
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
                                ShardWrite, WriteOutcome)
-from server.errors import (FailedPrecondition, IndexCorruptError, ModelMismatch, is_panic,
-                           panic_as_corruption)
+from server.errors import (FailedPrecondition, IndexCorruptError, ModelMismatch, StorageFull,
+                           is_panic, is_storage_full, panic_as_corruption)
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,10 @@ class ShardIndex:
             self.recovered = self._recover()
             self._load_counts()
         except sqlite3.DatabaseError as exc:  # a truncated or overwritten state copy
+            if is_storage_full(exc):  # not damage: removing the state would lose its writes
+                raise StorageFull(
+                    f"document store {store_path} cannot be opened: its volume is full ({exc}). "
+                    f"Nothing is damaged: free space on it and start again") from exc
             raise IndexCorruptError(
                 f"document store {store_path} is unreadable: {exc}. The build's own copy is "
                 f"untouched: restore this shard's state from a backup or a replica, or remove "
@@ -560,7 +564,16 @@ class ShardIndex:
                 while end < len(writes) and writes[end].key not in keys:
                     keys.add(writes[end].key)
                     end += 1
-                out.extend(self._apply_group(writes[start:end]))
+                try:
+                    out.extend(self._apply_group(writes[start:end]))
+                except Exception as exc:
+                    if is_storage_full(exc):  # not INTERNAL: the client should retry, later
+                        raise StorageFull(
+                            f"shard {self.shard_no}: the volume of its state {self.state_dir} is "
+                            f"full ({str(exc).splitlines()[0][:200]}); the write may not have "
+                            f"been applied: free space and send it again (writes are idempotent "
+                            f"by version)") from exc
+                    raise
                 start = end
         return out
 
