@@ -190,6 +190,29 @@ def test_cache_entries_never_survive_a_write_that_changes_their_answer(live):
     assert metrics.RETRIEVAL_CACHE.labels("hit")._value.get() == hits_before
 
 
+def test_cache_keys_stay_small_whatever_the_request_holds(live):
+    """Outside QA: the cache counts entries, and each key held the request's text and filters
+    whole, so 1,024 unique queries with ~1 MB of filters each held ~1.4 GB. Large key parts are
+    kept as digests: a repeated request still hits, another one does not."""
+    from server.core import metrics
+
+    srv, stub = live
+
+    def ask(tag):
+        filters = [pb.MetadataFilter(key=f"k{i}", any_of=[f"{tag}{i}-{j}-" + "v" * 200 for j in range(64)])
+                   for i in range(8)]
+        return stub.Search(pb.SearchRequest(collection="live", text="boundary layer " + "x" * 900,
+                                            top_k=5, mode=pb.LEXICAL, filters=filters), timeout=30)
+
+    ask("a")
+    hits = metrics.RETRIEVAL_CACHE.labels("hit")._value.get()
+    ask("a")
+    assert metrics.RETRIEVAL_CACHE.labels("hit")._value.get() == hits + 1
+    ask("b")
+    assert metrics.RETRIEVAL_CACHE.labels("hit")._value.get() == hits + 1
+    assert max(len(repr(k)) for k in srv.core.pipeline._cache) < 2000
+
+
 def test_the_cache_never_answers_one_collection_with_anothers_results(tmp_path, tiny_embedder,
                                                                        cranfield_docs):
     """Outside QA: the key held the build id and the shard versions but not the collection, so

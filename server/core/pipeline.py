@@ -62,6 +62,19 @@ async def gather(coros: Sequence, return_exceptions: bool = False) -> list:
         return [exc]
 
 
+KEY_PART_MAX_CHARS = 256
+
+
+def _small(part):
+    """A cache-key part as itself, or as its digest when large: the cache counts entries, not
+    bytes, and keys holding a query's text and filters whole let one client's unique queries
+    with 1 MB of filters each hold ~1.4 GB (outside QA)."""
+    text = part if isinstance(part, str) else repr(part)
+    if len(text) <= KEY_PART_MAX_CHARS:
+        return part
+    return ("sha256", hashlib.sha256(text.encode()).hexdigest())
+
+
 def _same_chunk(ranked: Optional[Candidate], fetched: Candidate) -> bool:
     """A fetched row holds the chunk a retriever ranked: same chunk id, and the same text
     fingerprint where both sides have one."""
@@ -290,10 +303,11 @@ class QueryPipeline:
         # apart (str.split() counts U+001F as a space; the tokenizer deletes it)
         # the collection's name too: two collections can hold builds of the same id (a copied
         # directory, `--build-id` given twice), at the same shard versions
-        return (st.coll.desc.collection, st.coll.desc.build_id, versions, q.text, vec, st.mode, tenant,
-                acl_scopes, q.filters, q.top_k, q.dense_depth, q.lexical_depth, q.rrf_k,
-                q.rerank_depth, q.context_token_budget, q.allow_partial, q.feedback_docs,
-                q.feedback_weight, q.lexical_feedback_terms, q.dense_weight, q.fusion)
+        return (st.coll.desc.collection, st.coll.desc.build_id, versions, _small(q.text), vec,
+                st.mode, tenant, acl_scopes, _small(q.filters), q.top_k, q.dense_depth,
+                q.lexical_depth, q.rrf_k, q.rerank_depth, q.context_token_budget, q.allow_partial,
+                q.feedback_docs, q.feedback_weight, q.lexical_feedback_terms, q.dense_weight,
+                q.fusion)
 
     async def _embed(self, st: _Query, deadline: Optional[float]) -> None:
         try:
