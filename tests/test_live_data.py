@@ -154,12 +154,15 @@ def test_recovery_repairs_a_bm25_index_that_disagrees_with_the_store(tmp_path, t
 
     desc = publish_build(tmp_path, "rep", cranfield_docs[:20], tiny_embedder)
     bdir = CollectionStore(tmp_path).build_dir("rep", desc.build_id)
+    from server.core.types import ShardWrite
+
     shard = ShardIndex(desc, bdir, tmp_path / ".state", 0)
     live_rows = sorted(shard.store.live_rows().tolist())
+    doc = shard.store.fetch([live_rows[-1]])[live_rows[-1]].doc_id
+    shard.apply_writes([ShardWrite("delete", "default", doc, 10 ** 6, {}, (), None)])
+    dead = sorted(set(live_rows) - set(shard.store.live_rows().tolist()))
     shard.lexical.delete_rows([live_rows[0]])                                  # a live row missing
-    shard.lexical.add_committed([(10 ** 6, "", "stray text", "default", {}, ("@all",))])  # a stray
-    shard.store._conn().execute("INSERT INTO writes(op, tenant, doc_id, version, body) "
-                                "VALUES ('delete', 'default', 'x', 1, '{}')")  # it took writes
+    shard.lexical.add_committed([(dead[0], "", "stray text", "default", {}, ("@all",))])  # a stray
     shard.close()
     before = LEXICAL_REPAIRS.labels("rep", "0")._value.get()
     shard = ShardIndex(desc, bdir, tmp_path / ".state", 0)
@@ -167,6 +170,37 @@ def test_recovery_repairs_a_bm25_index_that_disagrees_with_the_store(tmp_path, t
     assert LEXICAL_REPAIRS.labels("rep", "0")._value.get() == before + 2
     assert_bm25_holds_exactly_the_live_rows([shard])
     shard.close()
+
+
+def test_a_store_that_lost_committed_writes_is_refused_not_repaired(tmp_path, tiny_embedder,
+                                                                    cranfield_docs):
+    """Outside QA: with the store's write-ahead log removed (or cut) after a kill, the store lost
+    its last acknowledged writes; the load "repaired" BM25 by deleting the rows only it still
+    held, and served on without those writes, deleted documents back, with one log line. BM25
+    rows past the store's last row are that loss's signature: the load refuses it, naming it."""
+    import shutil
+
+    from server.core.chunking import document_chunks
+    from server.core.collection import CollectionStore
+    from server.core.engine.index import ShardIndex
+    from server.core.types import ShardWrite
+    from server.errors import IndexCorruptError
+
+    desc = publish_build(tmp_path, "wal", cranfield_docs[:20], tiny_embedder)
+    bdir = CollectionStore(tmp_path).build_dir("wal", desc.build_id)
+    shard = ShardIndex(desc, bdir, tmp_path / ".state", 0)
+    db = shard.state_dir / "docstore.sqlite"
+    shard.store._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    shutil.copyfile(db, tmp_path / "before-the-write")  # the store as its WAL's loss leaves it
+    chunks = tuple(document_chunks("", "zyxlost an acknowledged write"))
+    vectors = tiny_embedder.encode([c.text for c in chunks])
+    shard.apply_writes([ShardWrite("upsert", "default", "lost", 1, {"title": ""}, chunks, vectors)])
+    shard.close()
+    shutil.copyfile(tmp_path / "before-the-write", db)
+    for suffix in ("-wal", "-shm"):
+        db.with_name(db.name + suffix).unlink(missing_ok=True)
+    with pytest.raises(IndexCorruptError, match="lost committed writes"):
+        ShardIndex(desc, bdir, tmp_path / ".state", 0)
 
 
 def test_cache_entries_never_survive_a_write_that_changes_their_answer(live):

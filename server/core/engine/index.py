@@ -281,6 +281,19 @@ class ShardIndex:
             return 0
         indexed = np.asarray(self.lexical.indexed_rows(), dtype=np.int64)
         in_range = indexed < self.nrows
+        if when == "at load" and not in_range.all():
+            # recovery has taken the rows of a write cut off by a crash out of both, so BM25 rows
+            # past the store's last one were written by commits the store no longer holds: its
+            # write-ahead log was lost or cut. Repairing would delete the last trace of those
+            # writes and serve on without them (outside QA: a removed -wal file undid 29
+            # acknowledged writes and brought deleted documents back, with one log line)
+            raise IndexCorruptError(
+                f"shard state {self.state_dir}: the BM25 index holds rows up to "
+                f"{int(indexed.max())} that the document store does not have (it ends at row "
+                f"{self.nrows - 1}): the store has lost committed writes (a damaged or removed "
+                f"docstore.sqlite-wal?). Restore this shard's state from a backup or a replica, "
+                f"or remove {self.state_dir} to serve the build again without the writes "
+                f"applied since")
         extra = np.concatenate([indexed[~in_range], indexed[in_range][~self.live[indexed[in_range]]]])
         present = np.zeros(self.nrows, dtype=bool)
         present[indexed[in_range]] = True
