@@ -55,6 +55,8 @@ def build_parser(internal: bool = False) -> argparse.ArgumentParser:
     if internal:  # the front-end worker of `serve --workers N` (started by serve itself)
         f = sub.add_parser("frontend")
         f.add_argument("--engine-socket", required=True)
+        f.add_argument("--engine-pid", type=int, default=0,
+                       help="stop at once if this process (the engine) is not the parent")
         add_flags(f, "serve")
     return p
 
@@ -118,7 +120,7 @@ def main(argv=None) -> None:
         if args.command == "serve":
             roles.run_serve(cfg)
         elif args.command == "frontend":
-            roles.run_frontend(cfg, args.engine_socket)
+            roles.run_frontend(cfg, args.engine_socket, args.engine_pid)
         elif args.command == "shard":
             roles.run_shard(cfg)
         else:

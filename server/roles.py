@@ -59,9 +59,10 @@ def run_serve(cfg: ServerConfig) -> None:
             cfg.listen.event_loop)
 
 
-def run_frontend(cfg: ServerConfig, engine_socket: str) -> None:
-    from server.transport.engine_link import run_frontend as frontend
+def run_frontend(cfg: ServerConfig, engine_socket: str, engine_pid: int = 0) -> None:
+    from server.transport.engine_link import run_frontend as frontend, stop_with_the_engine
 
+    stop_with_the_engine(engine_pid)  # first: loading models takes seconds
     frontend(cfg, _device(cfg), engine_socket)
 
 

@@ -3,6 +3,7 @@ process: every front end answers, answers equal the single-process server's, and
 through one front end is seen through all of them (one engine owns the index)."""
 import re
 import signal
+import sys
 import subprocess
 import time
 import urllib.request
@@ -13,7 +14,7 @@ import pytest
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
-from conftest import ServiceProcess, start_core_server
+from conftest import REPO, ServiceProcess, start_core_server
 from harness.processes import free_port
 
 
@@ -179,3 +180,30 @@ def test_sigterm_stops_the_engine_and_every_front_end(workers):
     for pid in children:
         assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0
 
+
+
+PARENT = r'''
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-m", "server.main", "frontend", "--engine-socket",
+                          sys.argv[1], "--engine-pid", str(os.getpid()), "--data-dir", sys.argv[2],
+                          "--port", "0", "--device", "cpu", "--log-level", "WARNING"])
+print(child.pid, flush=True)
+time.sleep(600)
+'''
+
+
+def test_a_front_end_still_connecting_stops_when_its_engine_dies(tmp_path, small_collection):
+    """Outside QA: a front end started again just before its engine was killed with SIGKILL kept
+    retrying the engine's socket for a minute. The kernel now sends a front end SIGTERM when its
+    parent (the engine) dies, however it dies. Here the parent is a stand-in that only spawns the
+    front end, whose socket nobody will ever answer."""
+    data, _ = small_collection
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "nobody.sock"), str(data)],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait(10)
+    deadline = time.monotonic() + 40  # its connect would give up only after 60 s
+    while subprocess.run(["kill", "-0", str(child)], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "the front end outlived its engine"
+        time.sleep(0.2)

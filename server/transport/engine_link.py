@@ -389,7 +389,8 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
 
         def spawn(i: int) -> subprocess.Popen:
             return subprocess.Popen([sys.executable, "-m", "server.main", "frontend",
-                                     "--engine-socket", path, *_frontend_args(argv, port),
+                                     "--engine-socket", path, "--engine-pid", str(os.getpid()),
+                                     *_frontend_args(argv, port),
                                      *(["--metrics-port", str(metrics + 1 + i)] if metrics else [])])
 
         children = [spawn(i) for i in range(cfg.listen.workers)]
@@ -479,6 +480,23 @@ def _frontend_args(argv: list[str], port: int) -> list[str]:
             continue
         out.append(a)
     return out + ["--port", str(port), "--workers", "1"]
+
+
+def stop_with_the_engine(engine_pid: int) -> None:
+    """Linux: have the kernel send this front end SIGTERM when the engine, its parent, dies,
+    however it dies (outside QA: a front end started again just before the engine was killed
+    with SIGKILL kept retrying its socket for a minute, holding the port); and if the engine
+    (`engine_pid`) died before that was set, stop now. Elsewhere the lost connection
+    (`on_lost`) or the connect timeout stops it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if engine_pid and os.getppid() != engine_pid:
+        raise SystemExit(f"search-server frontend: the engine (pid {engine_pid}) has gone")
 
 
 def run_frontend(cfg: ServerConfig, device, engine_socket: str) -> None:
