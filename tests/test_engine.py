@@ -1206,3 +1206,54 @@ def test_a_full_volume_is_a_clear_retryable_refusal_and_changes_nothing(tmp_path
         assert found() == ["big"]
     finally:
         index.close()
+
+
+def test_a_failed_flip_leaves_bm25_as_the_store_says_after_the_next_write(tmp_path, rng):
+    """Review: a replace whose BM25 commit succeeded but whose flip (the store's transaction)
+    failed - a full disk, here SQLite refusing the write-log row through a trigger of the test's
+    connection - left that commit for the next write's flip to publish: the old version, still
+    live in the store, dropped out of lexical search. The next flip now checks BM25 row by row
+    before any search sees it."""
+    from index_builder.corpus import Document
+    from server.core.chunking import document_chunks
+    from server.core.collection import CollectionStore
+    from server.core.engine.index import ShardIndex
+    from server.core.types import ShardQuery, ShardWrite
+
+    docs = [Document("victim", "zyxvictim the version that stays")]
+    docs += [Document(f"d{i}", f"plain words number {i}") for i in range(6)]
+    desc = publish_build(tmp_path, "flip", docs, None,
+                         vectors=rng.standard_normal((len(docs), 8)).astype(np.float32), model_id="m")
+    index = ShardIndex(desc, CollectionStore(tmp_path).build_dir("flip", desc.build_id),
+                       tmp_path / ".state", 0, None, 0)
+
+    def write(doc_id, version, text):
+        chunks = tuple(document_chunks("", text))
+        return ShardWrite("upsert", "default", doc_id, version, {"title": "", "text": text}, chunks,
+                          rng.standard_normal((len(chunks), 8)).astype(np.float32))
+
+    def found(word):
+        q = ShardQuery(desc.build_id, "default", None, "m", word, 0, 5)
+        return [c.record.doc_id for c in index.search_group([q])[0].lexical]
+
+    try:
+        conn = index.store._conn()  # this thread's connection: apply_writes runs on it
+        conn.execute("CREATE TEMP TRIGGER no_room BEFORE INSERT ON writes WHEN NEW.doc_id='victim' "
+                     "BEGIN SELECT RAISE(FAIL, 'database or disk is full'); END")
+        with pytest.raises(Exception, match="disk is full"):
+            index.apply_writes([write("victim", 2, "zyxreplacement the version that failed")])
+        assert found("zyxvictim") == ["victim"] and found("zyxreplacement") == []
+        conn.execute("DROP TRIGGER no_room")
+        assert index.apply_writes([write("other", 1, "an unrelated write")])[0].outcome == "applied"
+        assert found("zyxvictim") == ["victim"] and found("zyxreplacement") == []
+        assert index.apply_writes([write("victim", 2, "zyxreplacement now it fits")])[0].outcome == "applied"
+        assert found("zyxvictim") == [] and found("zyxreplacement") == ["victim"]
+        # a step after the flip that fails (the purge mark) leaves the write applied, answered so
+        # (it answered RESOURCE_EXHAUSTED, and its retry NOOP), and redone later
+        conn.execute("CREATE TEMP TRIGGER no_room BEFORE UPDATE OF purged ON chunks "
+                     "BEGIN SELECT RAISE(FAIL, 'database or disk is full'); END")
+        assert index.apply_writes([write("d0", 2, "zyxthird after the flip")])[0].outcome == "applied"
+        conn.execute("DROP TRIGGER no_room")
+        assert found("zyxthird") == ["d0"] and index.store.unpurged()
+    finally:
+        index.close()

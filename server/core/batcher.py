@@ -1,8 +1,8 @@
 """Dynamic micro-batching in front of a device model.
 
 Policy: requests queue in two classes, interactive (queries) and background (document ingest).
-Interactive items queue per flow (one search request: a Search, or a whole SearchBatch, or one
-query's rerank pairs), and batches take the flows' items in turn, one each, so a request of
+Interactive items queue per flow (one search request: a Search or a whole SearchBatch, with every
+embedding and rerank pair it asks for), and batches take the flows' items in turn, one each, so a request of
 1,024 queries or 200 rerank pairs shares the device with a single search that arrives behind it
 instead of running ahead of it whole (outside QA: one client looping on 1,024-query batches made
 others' single searches wait ~4 s). Background items queue in arrival order. A batch holds one class only, interactive first whenever any is waiting, so a

@@ -35,7 +35,8 @@ from server.core.chunking import shard_of
 from server.core.collection import shard_dir_name
 from server.core.types import ShardWrite
 from server.errors import FailedPrecondition, InvalidArgument, SearchError
-from server.replication.jetstream import JetStreamWriteLog, ShardLogReader, WriteLogError
+from server.replication.jetstream import (JetStreamWriteLog, ShardLogReader, WriteLogError,
+                                          WriteLogUnavailable)
 
 log = logging.getLogger(__name__)
 HEADER_ALLOWANCE = 1024  # bytes kept for an append's headers within the server's max_payload
@@ -218,6 +219,8 @@ class ShardReplicator:
         return "serving" if self.caught_up else "catching_up"
 
     async def subject_last_sequence(self, timeout: float = 5.0) -> int:
+        if not self.js.is_connected:  # a request would wait for a reconnect (review)
+            raise WriteLogUnavailable("the write log is not connected")
         return await self.js.last_sequence(self.shard.shard_no, timeout=timeout)
 
     async def _open(self) -> None:

@@ -95,12 +95,12 @@ class ShardReplica:
     async def follow_aliases(self, interval: float, swap) -> None:
         """Serve the live build as it changes (only when no --build was given)."""
         loop = asyncio.get_running_loop()
-        refused, live = None, None
+        refused, live, unfollowable = None, None, None
         while True:
             await asyncio.sleep(interval)
             try:
                 live = self.store.live_build(self.collection)
-                if live == self.local.desc.build_id:
+                if live in (self.local.desc.build_id, unfollowable):
                     continue
                 back = self.previous
                 if back is not None and back[1].desc.build_id == live:
@@ -140,6 +140,12 @@ class ShardReplica:
                 if why != refused:  # once per build and reason, not at every poll
                     log.error("cannot follow %s to its live build: %s", self.collection, exc)
                 refused = why
+                from server.replication.log import MisplacedWrite
+
+                if isinstance(exc, MisplacedWrite):  # the log cannot change: not reopened at
+                    unfollowable = live               # every poll, until the alias moves
+            else:
+                refused = None
 
     async def _retire(self, which=None, swap=None) -> None:
         """Close the previous build (`which`, if it is still the previous one) and its log
@@ -187,6 +193,19 @@ async def serve_shard(cfg: ServerConfig, device: Device) -> None:
         await replica.replicator.catch_up()
         await running.set_serving(True)
         tasks.append(loop.create_task(replica.replicator.run()))
+
+        async def health_follows_the_log() -> None:
+            """NOT_SERVING while the replica cannot apply its log (it stopped on an entry of
+            another layout: review), so readiness probes take it out of rotation too."""
+            serving = True
+            while True:
+                await asyncio.sleep(1.0)
+                now = replica.status() == "serving"
+                if now != serving:
+                    await running.set_serving(now)
+                    serving = now
+
+        tasks.append(loop.create_task(health_follows_the_log()))
     if not cfg.shard.build and cfg.storage.alias_poll_s > 0:
         def swap(shard, previous):
             running.servicer.shard, running.servicer.previous = shard, previous

@@ -191,6 +191,9 @@ class ShardIndex:
         self.records = RecordCache(record_cache_rows, (desc.collection, str(shard_no)))
         self._rw = RWLock()
         self._write_mutex = threading.Lock()
+        # a group's BM25 commit is on disk but its flip failed: the next publish would show its
+        # adds and deletes, so the next flip checks BM25 row by row before searchers see it
+        self._lexical_unsettled = False
         self._masks: OrderedDict[tuple, np.ndarray] = OrderedDict()  # static part, by key
         self._filters: dict[tuple, tuple[int, RowFilter]] = {}       # (generation, filter)
         self._masks_lock = threading.Lock()
@@ -293,7 +296,8 @@ class ShardIndex:
                 f"{self.nrows - 1}): the store has lost committed writes (a damaged or removed "
                 f"docstore.sqlite-wal?). Restore this shard's state from a backup or a replica, "
                 f"or remove {self.state_dir} to serve the build again without the writes "
-                f"applied since")
+                f"applied since (a replica of a replicated collection applies them again from "
+                f"the write log)")
         extra = np.concatenate([indexed[~in_range], indexed[in_range][~self.live[indexed[in_range]]]])
         present = np.zeros(self.nrows, dtype=bool)
         present[indexed[in_range]] = True
@@ -645,7 +649,13 @@ class ShardIndex:
         applied_seq = max(seqs) if seqs else None
         by_row = {r.row: r for r in records}
         with self._rw.write():
-            deads = self.store.flip(entries, applied_seq)  # THE flip
+            try:
+                deads = self.store.flip(entries, applied_seq)  # THE flip
+            except BaseException:
+                # review: a replace whose flip failed (a full disk) left its BM25 commit to be
+                # published by the next write's flip, deleting the still-live old version
+                self._lexical_unsettled = self._lexical_unsettled or bool(records or retiring)
+                raise
             dead_rows: list[int] = []
             for e, flipped in zip(entries, deads):
                 if flipped is None:
@@ -677,16 +687,32 @@ class ShardIndex:
             self.generation += 1
             self.lexical.publish()  # BM25 moves with the flip: one index version in both branches
             self._publish_counts()
+            if self._lexical_unsettled:  # repaired before any search sees this publish
+                self._lexical_unsettled = False  # (set again if the repair fails)
+                self._after_flip(lambda: self.check_lexical("after a failed write", full=True))
         crash_point("after_flip")
         unexpected = sorted(set(dead_rows) - set(retiring))
+        # the write has applied: what follows is redone later (purges at load, BM25 checked by
+        # the next write), so its failure is logged, never answered as the write's (review: a
+        # full disk here made an applied write answer RESOURCE_EXHAUSTED, and its retry NOOP)
         if unexpected:  # the flip retired rows the staged commit did not delete (never expected)
-            self.lexical.delete_rows(unexpected)
-        self.store.mark_purged(dead_rows)
-        self.check_lexical("after a write")
+            self._after_flip(lambda: self.lexical.delete_rows(unexpected))
+        self._after_flip(lambda: self.store.mark_purged(dead_rows))
+        self._after_flip(lambda: self.check_lexical("after a write"))
         applied = {id(w) for w, flipped in zip(fresh, deads) if flipped is not None}
         return [WriteOutcome("applied", w.version, self.index_version, w.seq) if id(w) in applied
                 else WriteOutcome("noop", stored.get(w.key, (w.version,))[0], self.index_version, w.seq)
                 for w in writes]
+
+    def _after_flip(self, step) -> None:
+        """A clean-up step after a flip: a failure is logged, and the BM25 index is checked row by
+        row at the next flip."""
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - the write has applied; this is redone later
+            self._lexical_unsettled = True
+            log.error("shard %d (%s): a step after a write's flip failed (%s); it is redone "
+                      "later", self.shard_no, self.state_dir, exc)
 
     # --- description -------------------------------------------------------------------------
     def info(self, tenant: Optional[str] = None, digest: bool = False) -> ShardInfo:

@@ -10,6 +10,7 @@ write groups in order. Nothing here blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,9 +27,12 @@ from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, S
 from server.core.validation import validate_fetch, validate_shard_query, validate_shard_write
 from server.errors import DeadlineExceeded, SearchError, Unavailable
 
+log = logging.getLogger(__name__)
+
 # read-your-writes asks the write log where this shard's last entry is: at most this long, and
 # never past the request's deadline
 PROBE_TIMEOUT_S = 5.0
+
 
 @dataclass
 class EnginePools:
@@ -202,20 +206,24 @@ class LocalShard:
         target = seq
         if self.watermark_probe is not None:
             left = PROBE_TIMEOUT_S if deadline is None else min(PROBE_TIMEOUT_S, deadline - loop.time())
+            if left <= 0:
+                raise DeadlineExceeded(f"shard {self.shard_no}: no time left to wait for write-log "
+                                       f"sequence {seq}")
             try:
-                if left <= 0:
-                    raise DeadlineExceeded("no time left to ask the write log")
                 target = min(seq, await self.watermark_probe(left))
             except SearchError as exc:
                 # without the log this shard cannot tell whether `seq` is one of its writes; when
                 # it is not, waiting for it would only wait out the caller's deadline (outside QA:
-                # with NATS down every read-your-writes search hung for its whole deadline)
+                # with NATS down every read-your-writes search hung for its whole deadline). A
+                # disconnected log is refused at once; the cause (with the log's address) is
+                # logged, not sent to callers
+                log.warning("shard %d: read-your-writes at %d: %s", self.shard_no, seq, exc)
                 if self.index.applied_seq < seq:
                     raise Unavailable(
                         f"shard {self.shard_no} has applied the write log to "
                         f"{self.index.applied_seq}, not yet {seq}, and cannot ask the log whether "
-                        f"{seq} holds a write of this shard ({exc}); retry when the write log "
-                        f"answers") from None
+                        f"{seq} holds a write of this shard (the log does not answer); retry when "
+                        f"the write log answers") from None
         async with self._applied:
             while self.index.applied_seq < target:
                 left = None if deadline is None else deadline - loop.time()

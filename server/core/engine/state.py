@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from server.backends.docstore import read_only_uri
-from server.errors import FailedPrecondition, IndexCorruptError
+from server.errors import FailedPrecondition, IndexCorruptError, StorageFull, is_storage_full
 
 READY = "STATE_READY"
 TANTIVY_LOCKS = (".tantivy-writer.lock", ".tantivy-meta.lock")
@@ -107,6 +107,9 @@ def _copy_store(src: Path, dst: Path) -> None:
         source.backup(target)
         target.execute("PRAGMA journal_mode=WAL")
     except sqlite3.DatabaseError as exc:  # truncated or overwritten: name the file, not a traceback
+        if is_storage_full(exc):  # the state's volume, not the build, is at fault (review)
+            raise StorageFull(f"cannot copy {src} into the shard state {dst.parent}: its volume "
+                              f"is full ({exc}); free space there and start again") from exc
         raise IndexCorruptError(f"document store {src} is unreadable: {exc}") from exc
     finally:
         target.close()
