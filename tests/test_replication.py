@@ -433,15 +433,7 @@ def test_a_build_of_another_shard_count_than_the_log_is_refused(tmp_path, nats_s
         return ShardProcess(tmp_path, collection, n, "--nats", nats.url, "--replica-id", f"{collection}{n}",
                             "--shard-token-file", str(tmp_path / "token"), *extra)
 
-    first = shard("rs", 0, "--build", two.build_id)  # records the log's layout: 2 shards
-    try:
-        with pytest.raises(RuntimeError) as err:
-            shard("rs", 0, "--build", three.build_id)
-        assert "places documents on 2 shards" in str(err.value) and three.build_id in str(err.value)
-    finally:
-        first.stop()
-
-    async def router_side():
+    async def router_side():  # a router of 2 replica sets records the count its writes use
         wlog = await ReplicatedWriteLog.connect(ReplicationConfig(nats=nats.url), "rs")
         try:
             assert await wlog.check_layout(2) is None
@@ -463,9 +455,14 @@ def test_a_build_of_another_shard_count_than_the_log_is_refused(tmp_path, nats_s
         finally:
             await js.close()
 
+    asyncio.run(router_side())
+    shard("rs", 0, "--build", two.build_id).stop()  # a replica of the recorded count starts
+    with pytest.raises(RuntimeError) as err:
+        shard("rs", 0, "--build", three.build_id)
+    assert "places documents on 2 shards" in str(err.value) and three.build_id in str(err.value)
+
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    asyncio.run(router_side())
     serving = shard("rm", 0)  # follows its log from here
     try:
         doc = asyncio.run(misplace())
@@ -480,7 +477,28 @@ def test_a_build_of_another_shard_count_than_the_log_is_refused(tmp_path, nats_s
         serving.stop()
     with pytest.raises(RuntimeError) as err:  # and will not start on that log again
         shard("rm", 0)
-    assert f"document {doc!r}" in str(err.value) and "on shard 1 of 2" in str(err.value)
+    assert f"document {doc!r}" in str(err.value) and "shard 1" in str(err.value)
+
+    # a log from before the record, its entries placed for 2 shards: a replica of 3 opening it
+    # first is refused and records nothing (re-probe: it recorded 3, and every 2-shard replica
+    # was refused from then on)
+    lg2 = publish_build(tmp_path, "lg", docs, tiny_embedder, shards=2)
+    lg3 = publish_build(tmp_path, "lg", docs, tiny_embedder, shards=3)
+
+    async def legacy():
+        js = await connect_log(ReplicationConfig(nats=nats.url), "lg")
+        try:
+            for i in range(8):
+                w = ShardWrite("delete", "default", f"g{i}", 1, {}, (), None)
+                await js.publish(shard_of("default", f"g{i}", 2),
+                                 shard_write_to_pb(w, "lg", "").SerializeToString(), f"g{i}")
+        finally:
+            await js.close()
+
+    asyncio.run(legacy())
+    with pytest.raises(RuntimeError):
+        shard("lg", 0, "--build", lg3.build_id)
+    shard("lg", 0, "--build", lg2.build_id).stop()  # the 2-shard build: served
 
 
 def test_a_retry_embedded_again_is_the_same_write():

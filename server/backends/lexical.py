@@ -294,6 +294,12 @@ class LexicalIndex:
         except BaseException:
             try:
                 w.rollback()
+                # the failed commit's delete files (outside QA re-probe: one half written on a
+                # full disk made every later commit that reached its opstamp fail
+                # FileAlreadyExists, deletes answering INTERNAL until a restart); no commit
+                # runs now: the shard's writes hold its write mutex
+                if self.directory is not None:
+                    remove_stray_deletes(self.directory)
             except BaseException as exc:  # noqa: BLE001 - a writer that cannot roll back goes
                 log.error("BM25 writer of %s could not roll back a failed commit (%s): "
                           "reopened", self.directory, exc)

@@ -50,10 +50,9 @@ Layout
 ------
 Writes are placed on shards by a hash of (tenant, document) modulo the shard count, so a log
 written for N shards means nothing to a build of M != N shards: its shard k's subject holds
-documents that build places elsewhere. The first router or replica to open the log records N on
-``writes.<token>.layout`` (`settle_layout`, atomically: the append expects that subject to be
-empty); everyone after compares its own shard count with it (a stream from before the record
-existed gets it from whoever opens it first).
+documents that build places elsewhere. A router records N on ``writes.<token>.layout``
+(`settle_layout`, atomically: the append expects that subject to be empty); routers and replicas
+compare their own shard count with it (server/replication/log.py `layout_problem`).
 
 Readers
 -------

@@ -72,19 +72,55 @@ async def connect_log(config: ReplicationConfig, collection: str) -> JetStreamWr
     return js
 
 
-async def layout_problem(js: JetStreamWriteLog, shards: int, whose: str) -> Optional[str]:
+async def layout_problem(js: JetStreamWriteLog, shards: int, whose: str,
+                         record: bool = False) -> Optional[str]:
     """Why `whose` (a router's replica sets, a replica's build), with `shards` shards, cannot
     follow this log, or None. The log records the shard count its writes are placed by; shard k
     of another count would take documents it does not hold (outside QA: after a re-shard along
     the deploy notes, a new build's shards replayed the old layout's subjects, and deleted
-    documents and old versions came back)."""
-    recorded = await js.settle_layout(shards)
+    documents and old versions came back). Only a router - what places the writes - records
+    it (`record`), and only if the entries already there fit its count: a replica of the wrong
+    count that opened a log from before the record first wrote its own count, and the right
+    builds were refused from then on (re-probe). Where no count is recorded, a replica checks
+    the entries, and stops on the first misplaced one it replays (ShardReplicator.step)."""
+    advice = (": a collection's shard count is fixed by its log. To change it, build a new "
+              "collection (another name, so another log) from a corpus holding every document, "
+              "streamed ones included, and move clients to it")
+    recorded = await js.layout()
+    if not recorded:
+        misfit = await _entries_misfit(js, shards)
+        if misfit:
+            return (f"the write log of collection {js.collection!r} holds writes placed for "
+                    f"another shard count than the {shards} of {whose} ({misfit}){advice}")
+        if not record:
+            return None
+        recorded = await js.settle_layout(shards)
     if recorded == shards:
         return None
     return (f"the write log of collection {js.collection!r} places documents on {recorded} shards "
-            f"and {whose} has {shards}: a collection's shard count is fixed by its log. To change "
-            f"it, build a new collection (another name, so another log) from a corpus holding "
-            f"every document, streamed ones included, and move clients to it")
+            f"and {whose} has {shards}{advice}")
+
+
+async def _entries_misfit(js: JetStreamWriteLog, shards: int) -> Optional[str]:
+    """How a log's entries do not fit `shards` shards, judged by the last entry of each shard's
+    subject and by any entry on a subject past the last shard; None when they fit (or there are
+    none)."""
+    from server.rpc import shard_pb2
+
+    beyond = await js.last_sequence(shards)
+    if beyond:
+        return f"entry {beyond} is on shard {shards}'s subject"
+    for s in range(shards):
+        seq = await js.last_sequence(s)
+        if not seq:
+            continue
+        msg = shard_pb2.ShardWrite()
+        msg.ParseFromString(await js.payload_at(seq))
+        owner = shard_of(msg.tenant, msg.doc_id, shards)
+        if owner != s:
+            return (f"entry {seq}, of document {msg.doc_id!r}, is on shard {s}'s subject; "
+                    f"{shards} shards place it on shard {owner}")
+    return None
 
 
 class ReplicatedWriteLog:
@@ -99,7 +135,8 @@ class ReplicatedWriteLog:
     async def check_layout(self, shards: int) -> Optional[str]:
         """Refuse appends when this router's `shards` replica sets do not match the shard count
         the log's writes are placed by (see layout_problem); returns why, or None."""
-        self.misplaced = await layout_problem(self.js, shards, "this router's --replicas")
+        self.misplaced = await layout_problem(self.js, shards, "this router's --replicas",
+                                              record=True)
         if self.misplaced:
             log.error("write log: %s; writes are refused", self.misplaced)
         return self.misplaced

@@ -194,6 +194,7 @@ class ShardIndex:
         # a group's BM25 commit is on disk but its flip failed: the next publish would show its
         # adds and deletes, so the next flip checks BM25 row by row before searchers see it
         self._lexical_unsettled = False
+        self._full_logged = -1e9  # when a full volume was last logged (once per 10 s)
         self._masks: OrderedDict[tuple, np.ndarray] = OrderedDict()  # static part, by key
         self._filters: dict[tuple, tuple[int, RowFilter]] = {}       # (generation, filter)
         self._masks_lock = threading.Lock()
@@ -585,11 +586,15 @@ class ShardIndex:
                     out.extend(self._apply_group(writes[start:end]))
                 except Exception as exc:
                     if is_storage_full(exc):  # not INTERNAL: the client should retry, later
-                        raise StorageFull(
+                        full = StorageFull(
                             f"shard {self.shard_no}: the volume of its state {self.state_dir} is "
                             f"full ({str(exc).splitlines()[0][:200]}); the write may not have "
                             f"been applied: free space and send it again (writes are idempotent "
-                            f"by version)") from exc
+                            f"by version)")
+                        if time.monotonic() - self._full_logged > 10.0:  # an operator's problem
+                            self._full_logged = time.monotonic()
+                            log.error("%s", full)
+                        raise full from exc
                     raise
                 start = end
         return out

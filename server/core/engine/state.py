@@ -107,7 +107,9 @@ def _copy_store(src: Path, dst: Path) -> None:
         source.backup(target)
         target.execute("PRAGMA journal_mode=WAL")
     except sqlite3.DatabaseError as exc:  # truncated or overwritten: name the file, not a traceback
-        if is_storage_full(exc):  # the state's volume, not the build, is at fault (review)
+        if is_storage_full(exc) or shutil.disk_usage(dst.parent).free < src.stat().st_size:
+            # the state's volume, not the build, is at fault (review); SQLite may say only
+            # "disk I/O error" when the volume fills mid-copy (re-probe)
             raise StorageFull(f"cannot copy {src} into the shard state {dst.parent}: its volume "
                               f"is full ({exc}); free space there and start again") from exc
         raise IndexCorruptError(f"document store {src} is unreadable: {exc}") from exc
