@@ -52,6 +52,10 @@ def cluster(repl_build, nats_server, tiny_embedder_dir):  # noqa: F811
     yield {"data": data, "shards": shards, "router": router, "stub": pb_grpc.SearchServiceStub(ch),
            "admin": pb_grpc.AdminServiceStub(ch), "nats": nats_server}
     ch.close()
+    stop_cluster(router, shards)
+
+
+def stop_cluster(router, shards) -> None:
     router.stop()
     for reps in shards:
         for p in reps:
@@ -369,10 +373,7 @@ def test_a_write_log_that_lost_its_entries_takes_no_writes(repl_build, nats_serv
             assert "lost entries" in err.value.details()
             assert lexical(stub, "zyxwiped1") == ["wipe-1"]  # what the replicas hold is served
     finally:
-        router.stop()
-        for reps in shards:
-            for p in reps:
-                p.stop()
+        stop_cluster(router, shards)
 
 
 def test_read_your_writes_answers_at_once_when_the_log_is_down(repl_build, nats_server_factory,  # noqa: F811
@@ -399,10 +400,7 @@ def test_read_your_writes_answers_at_once_when_the_log_is_down(repl_build, nats_
             assert "nats://" not in err.value.details()  # the log's address stays in the log
             assert lexical(stub, "zyxryw") == ["ryw-1"]  # reads without a sequence still answer
     finally:
-        router.stop()
-        for reps in shards:
-            for p in reps:
-                p.stop()
+        stop_cluster(router, shards)
 
 
 def test_a_build_of_another_shard_count_than_the_log_is_refused(tmp_path, nats_server_factory,  # noqa: F811

@@ -584,44 +584,35 @@ class JetStreamWriteLog:
         `WriteLogError` if the stream does not exist, `WriteLogUnavailable` if JetStream does not
         answer within `timeout` s.
         """
-        subject = self.subject(shard)
-        timeout = _check_timeout(timeout)
-
-        async def attempt(t: float) -> int:
-            try:
-                msg = await self._nc.jsm(timeout=t).get_last_msg(self._stream, subject)
-            except nats.js.errors.NotFoundError as exc:
-                if exc.err_code == _ERR_NO_MESSAGE_FOUND:
-                    return 0
-                raise
-            return int(msg.seq or 0)
-
-        try:
-            return await self._call(f"read the last sequence of {subject}", attempt, timeout)
-        except nats.js.errors.APIError as exc:
-            raise self._api_error(f"read the last sequence of {subject}", exc) from exc
+        msg = await self._last_msg(self.subject(shard), "the last sequence", timeout)
+        return 0 if msg is None else int(msg.seq or 0)
 
     async def layout(self, timeout: float = 5.0) -> int:
         """The shard count recorded for this log (see Layout above); 0 when none is recorded."""
-        subject = self.layout_subject
+        msg = await self._last_msg(self.layout_subject, "the layout", timeout)
+        if msg is None:
+            return 0
+        try:
+            return int(json.loads(bytes(msg.data or b"{}")).get("shards", 0))
+        except (ValueError, AttributeError) as exc:
+            raise WriteLogError(f"{self.layout_subject} holds no layout record ({exc})") from exc
+
+    async def _last_msg(self, subject: str, what: str, timeout: float):
+        """The last message on `subject`, or None when it has none."""
         timeout = _check_timeout(timeout)
 
-        async def attempt(t: float) -> int:
+        async def attempt(t: float):
             try:
-                msg = await self._nc.jsm(timeout=t).get_last_msg(self._stream, subject)
+                return await self._nc.jsm(timeout=t).get_last_msg(self._stream, subject)
             except nats.js.errors.NotFoundError as exc:
                 if exc.err_code == _ERR_NO_MESSAGE_FOUND:
-                    return 0
+                    return None
                 raise
-            try:
-                return int(json.loads(bytes(msg.data or b"{}")).get("shards", 0))
-            except (ValueError, AttributeError) as exc:
-                raise WriteLogError(f"{subject} holds no layout record ({exc})") from exc
 
         try:
-            return await self._call(f"read the layout on {subject}", attempt, timeout)
+            return await self._call(f"read {what} of {subject}", attempt, timeout)
         except nats.js.errors.APIError as exc:
-            raise self._api_error(f"read the layout on {subject}", exc) from exc
+            raise self._api_error(f"read {what} of {subject}", exc) from exc
 
     async def settle_layout(self, shards: int, timeout: float = 5.0) -> int:
         """The log's recorded shard count, recording `shards` first if none is: the append
