@@ -493,7 +493,18 @@ def test_a_build_of_another_shard_count_than_the_log_is_refused(tmp_path, nats_s
         finally:
             await js.close()
 
+    async def misfit(shards):
+        from server.replication.log import _entries_misfit
+
+        js = await connect_log(ReplicationConfig(nats=nats.url), "lg")
+        try:
+            return await _entries_misfit(js, shards)
+        finally:
+            await js.close()
+
     asyncio.run(legacy())
+    # a multiple of the log's count places some entries as the log did: each subject is sampled
+    assert asyncio.run(misfit(2)) is None and asyncio.run(misfit(4)) and asyncio.run(misfit(1))
     with pytest.raises(RuntimeError):
         shard("lg", 0, "--build", lg3.build_id)
     shard("lg", 0, "--build", lg2.build_id).stop()  # the 2-shard build: served

@@ -220,7 +220,7 @@ class DocStore:
                 # every commit durable across a power loss too (NORMAL: a process crash only), as
                 # BM25's commits are (tantivy syncs them): an acknowledged write survives, and a
                 # BM25 row past the store's last is a loss the load refuses (index.py), never a
-                # store that merely missed its last commits. ~0.3 ms a commit, two per write group
+                # store that merely missed its last commits. ~0.3 ms a commit, 2-3 per write group
                 conn.execute("PRAGMA synchronous=FULL")
             self._local.conn = conn
             with self._all_lock:

@@ -140,11 +140,14 @@ def remove_stray_deletes(directory: Path) -> list[str]:
     meta = json.loads((directory / "meta.json").read_text())
     kept = {(seg["segment_id"].replace("-", ""), (seg.get("deletes") or {}).get("opstamp"))
             for seg in meta.get("segments", [])}
+    last = int(meta.get("opstamp") or 0)
     removed = []
     for entry in directory.iterdir():
         m = _DELETES_FILE.match(entry.name)
-        if m and (m.group(1), int(m.group(2))) not in kept:
-            entry.unlink()
+        # only what no commit reached: a merge finishing in the background writes its segment's
+        # delete file at the last commit's opstamp before meta.json names it (review)
+        if m and int(m.group(2)) > last and (m.group(1), int(m.group(2))) not in kept:
+            entry.unlink(missing_ok=True)
             removed.append(entry.name)
     return removed
 

@@ -597,6 +597,30 @@ class JetStreamWriteLog:
         except (ValueError, AttributeError) as exc:
             raise WriteLogError(f"{self.layout_subject} holds no layout record ({exc})") from exc
 
+    async def entry_from(self, shard: int, seq: int, timeout: float = 5.0) -> Optional[LogEntry]:
+        """The first entry on shard `shard`'s subject at or after stream sequence `seq`; None
+        when there is none."""
+        subject = self.subject(shard)
+        timeout = _check_timeout(timeout)
+
+        async def attempt(t: float):
+            try:
+                return await self._nc.jsm(timeout=t).get_msg(self._stream, seq=_check_seq(seq, "seq"),
+                                                              subject=subject, next=True)
+            except nats.js.errors.NotFoundError as exc:
+                if exc.err_code == _ERR_NO_MESSAGE_FOUND:
+                    return None
+                raise
+
+        try:
+            msg = await self._call(f"read an entry of {subject}", attempt, timeout)
+        except nats.js.errors.APIError as exc:
+            raise self._api_error(f"read an entry of {subject}", exc) from exc
+        if msg is None:
+            return None
+        return LogEntry(seq=int(msg.seq), payload=bytes(msg.data or b""),
+                        msg_id=(msg.headers or {}).get(MSG_ID_HEADER, ""))
+
     async def _last_msg(self, subject: str, what: str, timeout: float):
         """The last message on `subject`, or None when it has none."""
         timeout = _check_timeout(timeout)

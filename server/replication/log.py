@@ -101,25 +101,40 @@ async def layout_problem(js: JetStreamWriteLog, shards: int, whose: str,
             f"and {whose} has {shards}{advice}")
 
 
+MISFIT_SAMPLES = 16  # entries read per shard subject: a count that is a multiple of the log's
+                    # places each by chance with odds 1 in (its count / the log's) (review)
+
+
 async def _entries_misfit(js: JetStreamWriteLog, shards: int) -> Optional[str]:
-    """How a log's entries do not fit `shards` shards, judged by the last entry of each shard's
-    subject and by any entry on a subject past the last shard; None when they fit (or there are
-    none)."""
+    """How a log's entries do not fit `shards` shards, judged by up to MISFIT_SAMPLES entries of
+    each shard's subject, spread over it, and by any entry on the subject of shard `shards`
+    (a smaller count); None when they fit (or there are none)."""
+    from google.protobuf.message import DecodeError
+
     from server.rpc import shard_pb2
 
     beyond = await js.last_sequence(shards)
     if beyond:
         return f"entry {beyond} is on shard {shards}'s subject"
     for s in range(shards):
-        seq = await js.last_sequence(s)
-        if not seq:
+        last = await js.last_sequence(s)
+        if not last:
             continue
-        msg = shard_pb2.ShardWrite()
-        msg.ParseFromString(await js.payload_at(seq))
-        owner = shard_of(msg.tenant, msg.doc_id, shards)
-        if owner != s:
-            return (f"entry {seq}, of document {msg.doc_id!r}, is on shard {s}'s subject; "
-                    f"{shards} shards place it on shard {owner}")
+        seen = set()
+        for start in sorted({1 + (last - 1) * i // (MISFIT_SAMPLES - 1) for i in range(MISFIT_SAMPLES)}):
+            entry = await js.entry_from(s, start)
+            if entry is None or entry.seq in seen:
+                continue
+            seen.add(entry.seq)
+            msg = shard_pb2.ShardWrite()
+            try:
+                msg.ParseFromString(entry.payload)
+            except DecodeError:
+                return f"entry {entry.seq} on shard {s}'s subject is not a write this server reads"
+            owner = shard_of(msg.tenant, msg.doc_id, shards)
+            if owner != s:
+                return (f"entry {entry.seq}, of document {msg.doc_id!r}, is on shard {s}'s "
+                        f"subject; {shards} shards place it on shard {owner}")
     return None
 
 
@@ -228,6 +243,10 @@ def _same_write(held: bytes, message) -> bool:
 
 class MisplacedWrite(FailedPrecondition):
     """A log entry on this shard's subject for a document its build places on another shard."""
+
+
+class LayoutMismatch(FailedPrecondition):
+    """A build whose shard count the log's writes are not placed by (layout_problem)."""
 
 
 def durable_name(replica_id: str, build_id: str, shard: int) -> str:

@@ -21,7 +21,7 @@ from server.config import ServerConfig
 from server.core.collection import CollectionStore
 from server.core.engine.local import EnginePools, LocalShard
 from server.core.faults import FaultSpec, FaultyShard
-from server.errors import FailedPrecondition, SearchError
+from server.errors import SearchError
 from server.transport.shard_rpc import shard_admission
 
 log = logging.getLogger(__name__)
@@ -78,11 +78,11 @@ class ShardReplica:
     async def _check_layout(self, desc) -> None:
         """A build of another shard count than the log's writes are placed by is refused before
         it applies any of them (server/replication/log.py layout_problem)."""
-        from server.replication.log import layout_problem
+        from server.replication.log import LayoutMismatch, layout_problem
 
         problem = await layout_problem(self.js, desc.shards, f"build {desc.build_id}")
         if problem:
-            raise FailedPrecondition(problem)
+            raise LayoutMismatch(problem)
 
     def _replicator(self, local: LocalShard):
         from server.replication.log import ShardReplicator
@@ -100,6 +100,8 @@ class ShardReplica:
             await asyncio.sleep(interval)
             try:
                 live = self.store.live_build(self.collection)
+                if live != unfollowable:
+                    unfollowable = None  # the alias moved: a build refused before is tried again
                 if live in (self.local.desc.build_id, unfollowable):
                     continue
                 back = self.previous
@@ -140,10 +142,10 @@ class ShardReplica:
                 if why != refused:  # once per build and reason, not at every poll
                     log.error("cannot follow %s to its live build: %s", self.collection, exc)
                 refused = why
-                from server.replication.log import MisplacedWrite
+                from server.replication.log import LayoutMismatch, MisplacedWrite
 
-                if isinstance(exc, MisplacedWrite):  # the log cannot change: not reopened at
-                    unfollowable = live               # every poll, until the alias moves
+                if isinstance(exc, (MisplacedWrite, LayoutMismatch)):  # the log will not change:
+                    unfollowable = live  # not tried at every poll, until the alias moves
             else:
                 refused = None
 

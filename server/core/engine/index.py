@@ -641,60 +641,66 @@ class ShardIndex:
         # ONE BM25 commit for the group - its new chunks in, the retired ones out - that searchers
         # see only with the flip below. A crash in between leaves the store's old version live;
         # recovery re-adds it to BM25 and removes the orphans (check_lexical at load).
-        if records or retiring:
-            self.lexical.stage(((r.row, r.title, r.text, r.tenant, r.metadata, r.acl)
-                                for r in records), retiring)
-        crash_point("after_lexical")
-        entries = [FlipEntry(w.op, w.tenant, w.doc_id, w.version, new_rows.get(id(w), []), w.body,
-                             [(c.index, c.start, c.end, c.text) for c in w.chunks],
-                             w.vectors if id(w) in new_rows else None,
-                             w.model_id or self.desc.model_id, w.seq)
-                   for w in fresh]
-        seqs = [w.seq for w in writes if w.seq]
-        applied_seq = max(seqs) if seqs else None
-        by_row = {r.row: r for r in records}
-        with self._rw.write():
-            try:
+        flip_done = False
+        try:
+            if records or retiring:
+                self.lexical.stage(((r.row, r.title, r.text, r.tenant, r.metadata, r.acl)
+                                    for r in records), retiring)
+            crash_point("after_lexical")
+            entries = [FlipEntry(w.op, w.tenant, w.doc_id, w.version, new_rows.get(id(w), []),
+                                 w.body, [(c.index, c.start, c.end, c.text) for c in w.chunks],
+                                 w.vectors if id(w) in new_rows else None,
+                                 w.model_id or self.desc.model_id, w.seq)
+                       for w in fresh]
+            seqs = [w.seq for w in writes if w.seq]
+            applied_seq = max(seqs) if seqs else None
+            by_row = {r.row: r for r in records}
+            with self._rw.write():
                 deads = self.store.flip(entries, applied_seq)  # THE flip
-            except BaseException:
-                # review: a replace whose flip failed (a full disk) left its BM25 commit to be
-                # published by the next write's flip, deleting the still-live old version
-                self._lexical_unsettled = self._lexical_unsettled or bool(records or retiring)
-                raise
-            dead_rows: list[int] = []
-            for e, flipped in zip(entries, deads):
-                if flipped is None:
-                    continue
-                dead, was_live = flipped
-                rows = [r for r, _ in dead]
-                now_live = e.op == "upsert" and bool(e.new_rows)
-                self.doc_counts[e.tenant] = self.doc_counts.get(e.tenant, 0) + now_live - was_live
-                self.live[rows] = False
-                self.live[e.new_rows] = True
-                t = e.tenant
-                self.tenant_counts[t] = self.tenant_counts.get(t, 0) + len(e.new_rows) - len(rows)
-                restricted = [by_row[r].acl for r in e.new_rows if by_row[r].acl != (PUBLIC_ACL,)]
-                self.acl_restricted[t] = (self.acl_restricted.get(t, 0) + len(restricted)
-                                          - sum(1 for _, public in dead if not public))
-                for acl in restricted:
-                    self.acl_scopes.setdefault(t, set()).update(a for a in acl if a != PUBLIC_ACL)
-                self.states["live"] += len(e.new_rows) - len(rows)
-                self.states["pending"] -= len(e.new_rows)
-                self.states["dead"] += len(rows)
-                dead_rows.extend(rows)
-            for counts in (self.tenant_counts, self.doc_counts):
-                for t in [t for t, c in counts.items() if c <= 0]:
-                    del counts[t]
-            if any(d is not None for d in deads):
-                self.index_version += 1
-            if applied_seq is not None:
-                self.applied_seq = max(self.applied_seq, applied_seq)
-            self.generation += 1
-            self.lexical.publish()  # BM25 moves with the flip: one index version in both branches
-            self._publish_counts()
-            if self._lexical_unsettled:  # repaired before any search sees this publish
-                self._lexical_unsettled = False  # (set again if the repair fails)
-                self._after_flip(lambda: self.check_lexical("after a failed write", full=True))
+                flip_done = True
+                dead_rows: list[int] = []
+                for e, flipped in zip(entries, deads):
+                    if flipped is None:
+                        continue
+                    dead, was_live = flipped
+                    rows = [r for r, _ in dead]
+                    now_live = e.op == "upsert" and bool(e.new_rows)
+                    self.doc_counts[e.tenant] = self.doc_counts.get(e.tenant, 0) + now_live - was_live
+                    self.live[rows] = False
+                    self.live[e.new_rows] = True
+                    t = e.tenant
+                    self.tenant_counts[t] = self.tenant_counts.get(t, 0) + len(e.new_rows) - len(rows)
+                    restricted = [by_row[r].acl for r in e.new_rows if by_row[r].acl != (PUBLIC_ACL,)]
+                    self.acl_restricted[t] = (self.acl_restricted.get(t, 0) + len(restricted)
+                                              - sum(1 for _, public in dead if not public))
+                    for acl in restricted:
+                        self.acl_scopes.setdefault(t, set()).update(a for a in acl if a != PUBLIC_ACL)
+                    self.states["live"] += len(e.new_rows) - len(rows)
+                    self.states["pending"] -= len(e.new_rows)
+                    self.states["dead"] += len(rows)
+                    dead_rows.extend(rows)
+                for counts in (self.tenant_counts, self.doc_counts):
+                    for t in [t for t, c in counts.items() if c <= 0]:
+                        del counts[t]
+                if any(d is not None for d in deads):
+                    self.index_version += 1
+                if applied_seq is not None:
+                    self.applied_seq = max(self.applied_seq, applied_seq)
+                self.generation += 1
+                # BM25 moves with the flip: one index version in both branches (a reload that fails
+                # leaves the old reader, and the next flip checks BM25 row by row)
+                self._after_flip(self.lexical.publish)
+                self._publish_counts()
+                if self._lexical_unsettled:  # repaired before any search sees this publish
+                    self._lexical_unsettled = False  # (set again if the repair fails)
+                    self._after_flip(lambda: self.check_lexical("after a failed write", full=True))
+        except BaseException:
+            # review: a group whose BM25 commit may be on disk but whose flip did not happen (a
+            # full disk) would have that commit published by the next write's flip, deleting the
+            # old version the store still serves: the next flip checks BM25 row by row first
+            if not flip_done and (records or retiring):
+                self._lexical_unsettled = True
+            raise
         crash_point("after_flip")
         unexpected = sorted(set(dead_rows) - set(retiring))
         # the write has applied: what follows is redone later (purges at load, BM25 checked by
@@ -714,7 +720,9 @@ class ShardIndex:
         row at the next flip."""
         try:
             step()
-        except Exception as exc:  # noqa: BLE001 - the write has applied; this is redone later
+        except BaseException as exc:  # noqa: BLE001 - the write has applied; redone later
+            if not (isinstance(exc, Exception) or is_panic(exc)):
+                raise  # KeyboardInterrupt, SystemExit
             self._lexical_unsettled = True
             log.error("shard %d (%s): a step after a write's flip failed (%s); it is redone "
                       "later", self.shard_no, self.state_dir, exc)

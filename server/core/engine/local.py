@@ -115,6 +115,7 @@ class LocalShard:
         # can ask the log for its subject's last sequence
         self.replicated = False
         self.watermark_probe = None
+        self._probe_logged = -1e9  # when a failed probe was last logged (once per 10 s)
 
     @classmethod
     def open(cls, desc, build_dir: Path, state_root: Path, shard_no: int, device: Optional[Device],
@@ -217,7 +218,9 @@ class LocalShard:
                 # with NATS down every read-your-writes search hung for its whole deadline). A
                 # disconnected log is refused at once; the cause (with the log's address) is
                 # logged, not sent to callers
-                log.warning("shard %d: read-your-writes at %d: %s", self.shard_no, seq, exc)
+                if loop.time() - self._probe_logged > 10.0:  # a SearchBatch would log each query
+                    self._probe_logged = loop.time()
+                    log.warning("shard %d: read-your-writes at %d: %s", self.shard_no, seq, exc)
                 if self.index.applied_seq < seq:
                     raise Unavailable(
                         f"shard {self.shard_no} has applied the write log to "

@@ -107,7 +107,7 @@ def _copy_store(src: Path, dst: Path) -> None:
         source.backup(target)
         target.execute("PRAGMA journal_mode=WAL")
     except sqlite3.DatabaseError as exc:  # truncated or overwritten: name the file, not a traceback
-        if is_storage_full(exc) or shutil.disk_usage(dst.parent).free < src.stat().st_size:
+        if is_storage_full(exc) or ("disk I/O error" in str(exc) and _no_room(src, dst)):
             # the state's volume, not the build, is at fault (review); SQLite may say only
             # "disk I/O error" when the volume fills mid-copy (re-probe)
             raise StorageFull(f"cannot copy {src} into the shard state {dst.parent}: its volume "
@@ -116,6 +116,15 @@ def _copy_store(src: Path, dst: Path) -> None:
     finally:
         target.close()
         source.close()
+
+
+def _no_room(src: Path, dst: Path) -> bool:
+    """Whether the copy's volume lacks room for the whole store (its partial copy counted)."""
+    try:
+        held = dst.stat().st_size if dst.exists() else 0
+        return shutil.disk_usage(dst.parent).free + held < src.stat().st_size
+    except OSError:
+        return False
 
 
 def _link_tree(src: Path, dst: Path) -> None:
