@@ -84,10 +84,12 @@ def main(argv=None) -> int:
             stub = pb_grpc.SearchServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
             alone = [single(stub, texts, args.deadline) for _ in range(args.alone)]
             stop = threading.Event()
-            batches = []
+            batches, refused = [], []
 
             def hog():
-                hog_stub = pb_grpc.SearchServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+                # 1,024 answers of 10 hits with their text: ~10 MB, over gRPC's 4 MB default
+                hog_stub = pb_grpc.SearchServiceStub(grpc.insecure_channel(
+                    f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 1 << 28)]))
                 while not stop.is_set():
                     reqs = [pb.SearchRequest(collection="cran", top_k=10, mode=pb.HYBRID,
                                              text=f"{random.choice(texts)} {random.randrange(10**9)}")
@@ -96,8 +98,8 @@ def main(argv=None) -> int:
                     try:
                         hog_stub.SearchBatch(pb.SearchBatchRequest(queries=reqs), timeout=120)
                         batches.append(time.perf_counter() - t)
-                    except grpc.RpcError:
-                        pass
+                    except grpc.RpcError as exc:
+                        refused.append(f"{exc.code().name}: {exc.details()[:160]}")
 
             thread = threading.Thread(target=hog, daemon=True)
             thread.start()
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
             server.stop()
     print(f"\nsingle hybrid searches, deadline {args.deadline:g} s; the other client: SearchBatch "
           f"of {args.batch} hybrid queries in a loop ({len(batches)} answered, "
-          f"{statistics.median(batches) if batches else float('nan'):.1f} s each)\n")
+          f"{statistics.median(batches) if batches else float('nan'):.1f} s each; refused: "
+          f"{dict((c, refused.count(c)) for c in set(refused)) or 'none'})\n")
     print("| phase | calls | answered | DEADLINE_EXCEEDED | p50 s | max s |")
     print("|---|---|---|---|---|---|")
     print(summary("alone", alone))
