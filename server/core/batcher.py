@@ -2,12 +2,13 @@
 
 Policy: requests queue in two classes, interactive (queries) and background (document ingest).
 Interactive items queue per flow (one search request: a Search or a whole SearchBatch, with every
-embedding and rerank pair it asks for), and batches take the flows' items in turn, one each, so a request of
-1,024 queries or 200 rerank pairs shares the device with a single search that arrives behind it
-instead of running ahead of it whole (outside QA: one client looping on 1,024-query batches made
-others' single searches wait ~4 s). Background items queue in arrival order. A batch holds one class only, interactive first whenever any is waiting, so a
-query never pads to a 256-token document chunk nor waits behind more than one small background
-batch (`max_background_batch`). A batch closes when it holds `max_batch` items, when the next item
+embedding and rerank pair it asks for), and batches take the flows' items in turn, one each, so a
+request of 1,024 queries or 200 rerank pairs shares the device with a single search that arrives
+behind it instead of running ahead of it whole (outside QA: one client looping on 1,024-query
+batches made others' single searches wait ~4 s). Background items queue in arrival order. A batch
+holds one class only, interactive first whenever any is waiting, so a query never pads to a
+256-token document chunk nor waits behind more than one small background batch
+(`max_background_batch`). A batch closes when it holds `max_batch` items, when the next item
 would push it past `max_tokens`, or `max_wait_ms` after its first item arrived, whichever comes
 first. While a batch runs on the device the next one fills, so under load batches grow with no
 extra wait. Items whose caller has gone (cancelled, or past its deadline) are dropped before the

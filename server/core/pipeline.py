@@ -176,8 +176,8 @@ class QueryPipeline:
     async def _prepared_search(self, queries: Sequence[SearchQuery], tenant: str,
                                acl_scopes: tuple, deadline: Optional[float],
                                t_start: float, flow: object) -> list:
-        return await self._search(self._prepared(queries, tenant, acl_scopes, flow), tenant, acl_scopes,
-                                  deadline, t_start)
+        return await self._search(self._prepared(queries, tenant, acl_scopes, flow), tenant,
+                                  acl_scopes, deadline, t_start)
 
     async def _search(self, states: list[_Query], tenant: str, acl_scopes: tuple,
                       deadline: Optional[float], t_start: float, stats=None) -> list:

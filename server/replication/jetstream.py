@@ -605,8 +605,8 @@ class JetStreamWriteLog:
 
         async def attempt(t: float):
             try:
-                return await self._nc.jsm(timeout=t).get_msg(self._stream, seq=_check_seq(seq, "seq"),
-                                                              subject=subject, next=True)
+                return await self._nc.jsm(timeout=t).get_msg(
+                    self._stream, seq=_check_seq(seq, "seq"), subject=subject, next=True)
             except nats.js.errors.NotFoundError as exc:
                 if exc.err_code == _ERR_NO_MESSAGE_FOUND:
                     return None

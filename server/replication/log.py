@@ -121,7 +121,8 @@ async def _entries_misfit(js: JetStreamWriteLog, shards: int) -> Optional[str]:
         if not last:
             continue
         seen = set()
-        for start in sorted({1 + (last - 1) * i // (MISFIT_SAMPLES - 1) for i in range(MISFIT_SAMPLES)}):
+        starts = {1 + (last - 1) * i // (MISFIT_SAMPLES - 1) for i in range(MISFIT_SAMPLES)}
+        for start in sorted(starts):
             entry = await js.entry_from(s, start)
             if entry is None or entry.seq in seen:
                 continue

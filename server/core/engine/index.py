@@ -665,16 +665,20 @@ class ShardIndex:
                     dead, was_live = flipped
                     rows = [r for r, _ in dead]
                     now_live = e.op == "upsert" and bool(e.new_rows)
-                    self.doc_counts[e.tenant] = self.doc_counts.get(e.tenant, 0) + now_live - was_live
+                    self.doc_counts[e.tenant] = (self.doc_counts.get(e.tenant, 0) + now_live
+                                                 - was_live)
                     self.live[rows] = False
                     self.live[e.new_rows] = True
                     t = e.tenant
-                    self.tenant_counts[t] = self.tenant_counts.get(t, 0) + len(e.new_rows) - len(rows)
-                    restricted = [by_row[r].acl for r in e.new_rows if by_row[r].acl != (PUBLIC_ACL,)]
+                    self.tenant_counts[t] = (self.tenant_counts.get(t, 0) + len(e.new_rows)
+                                             - len(rows))
+                    restricted = [by_row[r].acl for r in e.new_rows
+                                  if by_row[r].acl != (PUBLIC_ACL,)]
                     self.acl_restricted[t] = (self.acl_restricted.get(t, 0) + len(restricted)
                                               - sum(1 for _, public in dead if not public))
                     for acl in restricted:
-                        self.acl_scopes.setdefault(t, set()).update(a for a in acl if a != PUBLIC_ACL)
+                        self.acl_scopes.setdefault(t, set()).update(a for a in acl
+                                                                    if a != PUBLIC_ACL)
                     self.states["live"] += len(e.new_rows) - len(rows)
                     self.states["pending"] -= len(e.new_rows)
                     self.states["dead"] += len(rows)

@@ -206,7 +206,8 @@ class LocalShard:
         loop = asyncio.get_running_loop()
         target = seq
         if self.watermark_probe is not None:
-            left = PROBE_TIMEOUT_S if deadline is None else min(PROBE_TIMEOUT_S, deadline - loop.time())
+            left = (PROBE_TIMEOUT_S if deadline is None
+                    else min(PROBE_TIMEOUT_S, deadline - loop.time()))
             if left <= 0:
                 raise DeadlineExceeded(f"shard {self.shard_no}: no time left to wait for write-log "
                                        f"sequence {seq}")
