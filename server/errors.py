@@ -83,6 +83,12 @@ def is_panic(exc: BaseException) -> bool:
     return type(exc).__name__ == "PanicException"
 
 
+def is_failure(exc: BaseException) -> bool:
+    """Whether `exc` is an operation's failure - any Exception, or a BM25 panic (`is_panic`) -
+    rather than a stop to pass on (KeyboardInterrupt, SystemExit, a task's cancellation)."""
+    return isinstance(exc, Exception) or is_panic(exc)
+
+
 def panic_as_corruption(exc: BaseException, what: str) -> IndexCorruptError:
     """A panic of the BM25 library (`is_panic`) as the error its callers get at once: `what`
     failed on a damaged file."""

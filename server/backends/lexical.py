@@ -4,7 +4,8 @@ Analyzer (documented and measured in docs/ARCHITECTURE.md): Unicode NFKC normali
 (so a decomposed "e" + combining accent, a ligature or a full-width letter index as the composed
 form a query types), then tantivy's `simple` tokenizer (splits on
 non-alphanumerics, so identifiers like NACA-TN-1234 become naca/tn/1234 and still match as terms),
-tokens of 100 bytes or more dropped (40 before v3), lowercase, English stopwords removed, Snowball English stemming.
+tokens of 100 bytes or more dropped (40 before v3), lowercase, English stopwords removed, Snowball
+English stemming.
 Queries go through the same analyzer and become a disjunction of term queries over title and text,
 a repeated term boosted by 1 + ln(count); no query syntax is parsed, so user text can never change
 the query's structure.
@@ -69,8 +70,7 @@ def normalize(text: str, fold: bool = True) -> str:
     Then (v3, `fold`) accents of Latin and Greek letters go, letters such as ß, æ, ł and ı
     become their ASCII spelling, and Greek final sigma becomes sigma, as Vespa's and
     Meilisearch's default analysis (and Elasticsearch's asciifolding) does: "cafe" finds
-    "café", and a query or
-    title in capitals finds the text's words - Greek capitals carry no accents, and lowercasing
+    "café", and a query or title in capitals finds the text's words - Greek capitals carry no accents, and lowercasing
     maps Σ to σ wherever it stands, so "ΚΟΣΜΟΣ" never matched "κόσμος" (outside QA)."""
     if text.isascii():
         return text
@@ -306,8 +306,7 @@ class LexicalIndex:
             except BaseException as exc:  # noqa: BLE001 - a writer that cannot roll back goes
                 log.error("BM25 writer of %s could not roll back a failed commit (%s): "
                           "reopened", self.directory, exc)
-                self._writer = None  # the next write opens a new one (its lock freed with it)
-                del w
+                self._writer = None  # the next write opens a new one
             raise
 
     def add_committed(self, rows) -> None:
@@ -327,21 +326,23 @@ class LexicalIndex:
         if not len(rows):
             return
         with self._one_commit() as w:
-            for start in range(0, len(rows), self.DELETE_BATCH):
-                block = [int(r) for r in rows[start:start + self.DELETE_BATCH]]
-                w.delete_documents_by_query(tantivy.Query.term_set_query(self.schema, "row", block))
+            self._delete(w, rows)
         self._reload()
 
     DELETE_BATCH = 4096
+
+    def _delete(self, writer, rows: Sequence[int]) -> None:
+        """Queue the deletion of these rows' chunks on `writer`, a term-set query a block."""
+        for start in range(0, len(rows), self.DELETE_BATCH):
+            block = [int(r) for r in rows[start:start + self.DELETE_BATCH]]
+            writer.delete_documents_by_query(tantivy.Query.term_set_query(self.schema, "row", block))
 
     def stage(self, add: Iterable, delete: Sequence[int]) -> None:
         """Add chunks and delete rows in ONE commit, durable but not yet searched: `publish`
         makes searchers see it (the shard does that in the same step as its visibility flip)."""
         with self._one_commit() as w:
             self.add(add, writer=w)
-            for start in range(0, len(delete), self.DELETE_BATCH):
-                block = [int(r) for r in delete[start:start + self.DELETE_BATCH]]
-                w.delete_documents_by_query(tantivy.Query.term_set_query(self.schema, "row", block))
+            self._delete(w, delete)
 
     def publish(self) -> None:
         """Searchers see everything committed so far."""

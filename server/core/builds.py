@@ -31,7 +31,7 @@ from server.core.engine.state import check_writable, state_shard_dir
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import ShardWrite
 from server.core.writes import WritePath
-from server.errors import FailedPrecondition, SearchError, is_panic
+from server.errors import FailedPrecondition, SearchError, is_failure
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class BuildManager:
                     self.store.sweep_abandoned(name)  # staging dirs of killed builds and compactions
                 loaded = self.open_build(name)
             except BaseException as exc:
-                if not (isinstance(exc, Exception) or is_panic(exc)):
+                if not is_failure(exc):
                     raise
                 failures.append(exc)
                 self._unloadable_now(name, build_id, exc)
@@ -154,7 +154,7 @@ class BuildManager:
             try:
                 await self._catch_up(loaded)
             except BaseException as exc:  # SQLite's errors and tantivy's panics too
-                if not (isinstance(exc, Exception) or is_panic(exc)):
+                if not is_failure(exc):
                     raise
                 failures.append(exc)
                 await asyncio.gather(*(s.close() for s in loaded.shards))
@@ -425,7 +425,7 @@ class BuildManager:
                 try:
                     await self.switch_build(name)
                 except BaseException as exc:  # a damaged build (OSError, a panic): keep watching
-                    if not (isinstance(exc, Exception) or is_panic(exc)):
+                    if not is_failure(exc):
                         raise
                     if self._failed_switch.get(name) != live:  # once per build, not per poll
                         log.error("cannot switch %s to its published build %s (still serving "
@@ -448,14 +448,14 @@ class BuildManager:
             try:
                 loaded = await asyncio.get_running_loop().run_in_executor(None, self.open_build, name)
             except BaseException as exc:
-                if not (isinstance(exc, Exception) or is_panic(exc)):
+                if not is_failure(exc):
                     raise
                 await self._unloadable_later(name, build_id, exc)
                 continue
             try:
                 await self._catch_up(loaded)  # as at a start: this state may have served it
             except BaseException as exc:  # one collection's failure must not end the watcher
-                if not (isinstance(exc, Exception) or is_panic(exc)):
+                if not is_failure(exc):
                     raise
                 await asyncio.gather(*(s.close() for s in loaded.shards))
                 await self._unloadable_later(name, loaded.desc.build_id, exc)

@@ -584,12 +584,16 @@ class JetStreamWriteLog:
         `WriteLogError` if the stream does not exist, `WriteLogUnavailable` if JetStream does not
         answer within `timeout` s.
         """
-        msg = await self._last_msg(self.subject(shard), "the last sequence", timeout)
+        subject = self.subject(shard)
+        msg = await self._msg_or_none(f"read the last sequence of {subject}", timeout,
+                                      lambda jsm: jsm.get_last_msg(self._stream, subject))
         return 0 if msg is None else int(msg.seq or 0)
 
     async def layout(self, timeout: float = 5.0) -> int:
         """The shard count recorded for this log (see Layout above); 0 when none is recorded."""
-        msg = await self._last_msg(self.layout_subject, "the layout", timeout)
+        subject = self.layout_subject
+        msg = await self._msg_or_none(f"read the layout on {subject}", timeout,
+                                      lambda jsm: jsm.get_last_msg(self._stream, subject))
         if msg is None:
             return 0
         try:
@@ -600,53 +604,40 @@ class JetStreamWriteLog:
     async def entry_from(self, shard: int, seq: int, timeout: float = 5.0) -> Optional[LogEntry]:
         """The first entry on shard `shard`'s subject at or after stream sequence `seq`; None
         when there is none."""
-        subject = self.subject(shard)
-        timeout = _check_timeout(timeout)
-
-        async def attempt(t: float):
-            try:
-                return await self._nc.jsm(timeout=t).get_msg(
-                    self._stream, seq=_check_seq(seq, "seq"), subject=subject, next=True)
-            except nats.js.errors.NotFoundError as exc:
-                if exc.err_code == _ERR_NO_MESSAGE_FOUND:
-                    return None
-                raise
-
-        try:
-            msg = await self._call(f"read an entry of {subject}", attempt, timeout)
-        except nats.js.errors.APIError as exc:
-            raise self._api_error(f"read an entry of {subject}", exc) from exc
+        subject, seq = self.subject(shard), _check_seq(seq, "seq")
+        msg = await self._msg_or_none(f"read an entry of {subject}", timeout,
+                                      lambda jsm: jsm.get_msg(self._stream, seq=seq,
+                                                              subject=subject, next=True))
         if msg is None:
             return None
         return LogEntry(seq=int(msg.seq), payload=bytes(msg.data or b""),
                         msg_id=(msg.headers or {}).get(MSG_ID_HEADER, ""))
 
-    async def _last_msg(self, subject: str, what: str, timeout: float):
-        """The last message on `subject`, or None when it has none."""
+    async def _msg_or_none(self, what: str, timeout: float, get):
+        """The message `get(jsm)` reads (retried as `_call` retries), or None when the stream
+        holds no such message."""
         timeout = _check_timeout(timeout)
 
         async def attempt(t: float):
             try:
-                return await self._nc.jsm(timeout=t).get_last_msg(self._stream, subject)
+                return await get(self._nc.jsm(timeout=t))
             except nats.js.errors.NotFoundError as exc:
                 if exc.err_code == _ERR_NO_MESSAGE_FOUND:
                     return None
                 raise
 
         try:
-            return await self._call(f"read {what} of {subject}", attempt, timeout)
+            return await self._call(what, attempt, timeout)
         except nats.js.errors.APIError as exc:
-            raise self._api_error(f"read {what} of {subject}", exc) from exc
+            raise self._api_error(what, exc) from exc
 
     async def settle_layout(self, shards: int, timeout: float = 5.0) -> int:
         """The log's recorded shard count, recording `shards` first if none is: the append
-        expects the layout subject to be empty, so of two processes recording different counts
-        at once one wins and both read the winner's."""
+        expects the layout subject to be empty (it is refused when a count is recorded
+        already), so of two processes recording different counts at once one wins and both
+        read the winner's."""
         if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
             raise ValueError(f"shards must be a positive int, got {shards!r}")
-        recorded = await self.layout(timeout)
-        if recorded:
-            return recorded
         subject = self.layout_subject
         data = json.dumps({"shards": shards, "recorded_at": time.time()}).encode()
 
@@ -657,9 +648,8 @@ class JetStreamWriteLog:
         try:
             await self._call(f"record the layout on {subject}", attempt, timeout)
         except nats.js.errors.APIError as exc:
-            # "wrong last sequence": another process recorded one first; read it below
-            logger.info("layout of %s recorded by another process: %s", self._stream,
-                        _describe(exc))
+            # "wrong last sequence": a count is recorded already; read it below
+            logger.info("layout of %s recorded already: %s", self._stream, _describe(exc))
         recorded = await self.layout(timeout)
         if not recorded:
             raise WriteLogError(f"could not record the layout on {subject}")

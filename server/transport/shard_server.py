@@ -112,7 +112,7 @@ class ShardReplica:
                     _, new, replicator = back
                     started = True
                 else:
-                    if self.js is not None:  # before opening it: refused at every poll
+                    if self.js is not None:  # before opening it
                         await self._check_layout(self.store.descriptor(self.collection, live))
                     new = await loop.run_in_executor(None, self._open, live)
                     replicator, started = None, False

@@ -53,7 +53,7 @@ from server.core.rwlock import RWLock
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
                                ShardWrite, WriteOutcome)
 from server.errors import (FailedPrecondition, IndexCorruptError, ModelMismatch, StorageFull,
-                           is_panic, is_storage_full, panic_as_corruption)
+                           is_failure, is_panic, is_storage_full, panic_as_corruption)
 
 log = logging.getLogger(__name__)
 
@@ -725,7 +725,7 @@ class ShardIndex:
         try:
             step()
         except BaseException as exc:  # noqa: BLE001 - the write has applied; redone later
-            if not (isinstance(exc, Exception) or is_panic(exc)):
+            if not is_failure(exc):
                 raise  # KeyboardInterrupt, SystemExit
             self._lexical_unsettled = True
             log.error("shard %d (%s): a step after a write's flip failed (%s); it is redone "

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from server.core import metrics
 from server.core.types import ShardQuery, ShardResult, ShardWrite, WriteOutcome
-from server.errors import DeadlineExceeded, Unavailable, is_panic, panic_as_corruption
+from server.errors import DeadlineExceeded, Unavailable, is_failure, is_panic, panic_as_corruption
 
 
 @dataclass
@@ -297,7 +297,7 @@ class WriteQueue:
                 try:
                     outcomes = await loop.run_in_executor(self.writer, self.apply, writes)
                 except BaseException as exc:
-                    if not (isinstance(exc, Exception) or is_panic(exc)):
+                    if not is_failure(exc):
                         raise  # cancellation, exit: not the writes' answer
                     if is_panic(exc):  # tantivy's, on a damaged file: the writers hear at once
                         exc = panic_as_corruption(exc, "a write group in the BM25 index")
