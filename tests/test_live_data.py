@@ -281,12 +281,16 @@ def test_writes_survive_a_restart(tmp_path, tiny_embedder, cranfield_docs):
             assert upsert(pb_grpc.SearchServiceStub(ch), "durable-1", 7, "zyxeta durable write").outcome == APPLIED
     finally:
         srv.stop()
-    again = start_core_server(tmp_path, tiny_embedder)
-    try:
-        with grpc.insecure_channel(again.address) as ch:
-            assert docs_for(pb_grpc.SearchServiceStub(ch), "zyxeta")[0] == ["durable-1"]
-    finally:
-        again.stop()
+
+    def served_after_a_restart():
+        again = start_core_server(tmp_path, tiny_embedder)
+        try:
+            with grpc.insecure_channel(again.address) as ch:
+                assert docs_for(pb_grpc.SearchServiceStub(ch), "zyxeta")[0] == ["durable-1"]
+        finally:
+            again.stop()
+
+    served_after_a_restart()
     # outside QA: with the state's marker gone, the state was made anew from the build and the
     # write above silently lost; now the store's presence refuses it, naming the way back
     from server.errors import IndexCorruptError
@@ -297,12 +301,7 @@ def test_writes_survive_a_restart(tmp_path, tiny_embedder, cranfield_docs):
     with pytest.raises(IndexCorruptError, match="no STATE_READY marker"):
         start_core_server(tmp_path, tiny_embedder)
     marker.write_text(kept)  # restored, as the message says
-    restored = start_core_server(tmp_path, tiny_embedder)
-    try:
-        with grpc.insecure_channel(restored.address) as ch:
-            assert docs_for(pb_grpc.SearchServiceStub(ch), "zyxeta")[0] == ["durable-1"]
-    finally:
-        restored.stop()
+    served_after_a_restart()
 
 
 def test_a_second_engine_on_the_same_state_is_refused_naming_it(live_build, live):

@@ -55,6 +55,12 @@ def cluster(repl_build, nats_server, tiny_embedder_dir):  # noqa: F811
     stop_cluster(router, shards)
 
 
+def one_replica_cluster(data, nats, tag, embedder_dir):
+    """A replica of each of the collection's 2 shards, named by `tag`, and a router over them."""
+    shards = [[shard_proc(data, s, tag, nats.url)] for s in range(2)]
+    return shards, router_proc(data, nats.url, embedder_dir, shards)
+
+
 def stop_cluster(router, shards) -> None:
     router.stop()
     for reps in shards:
@@ -353,8 +359,7 @@ def test_a_write_log_that_lost_its_entries_takes_no_writes(repl_build, nats_serv
 
     data, _ = repl_build
     nats = nats_server_factory()
-    shards = [[shard_proc(data, s, "wiped", nats.url)] for s in range(2)]
-    router = router_proc(data, nats.url, tiny_embedder_dir, shards)
+    shards, router = one_replica_cluster(data, nats, "wiped", tiny_embedder_dir)
     try:
         with grpc.insecure_channel(router.address) as ch:
             stub = pb_grpc.SearchServiceStub(ch)
@@ -384,8 +389,7 @@ def test_read_your_writes_answers_at_once_when_the_log_is_down(repl_build, nats_
     (UNAVAILABLE, retryable); a shard that applied that far answers as before."""
     data, _ = repl_build
     nats = nats_server_factory()
-    shards = [[shard_proc(data, s, "ryw", nats.url)] for s in range(2)]
-    router = router_proc(data, nats.url, tiny_embedder_dir, shards)
+    shards, router = one_replica_cluster(data, nats, "ryw", tiny_embedder_dir)
     try:
         with grpc.insecure_channel(router.address) as ch:
             stub = pb_grpc.SearchServiceStub(ch)
