@@ -1,18 +1,22 @@
 """`search-server serve --workers N`: N front-end processes share one port and feed one engine
 process: every front end answers, answers equal the single-process server's, and a write made
 through one front end is seen through all of them (one engine owns the index)."""
+import os
 import re
 import signal
 import sys
 import subprocess
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
+from server.transport.engine_link import sweep_socket_dirs
 
 from conftest import REPO, ServiceProcess, start_core_server
 from harness.processes import free_port
@@ -135,6 +139,23 @@ def test_a_killed_engine_stops_every_front_end_and_no_search_hangs(small_collect
               for pid in children):
         assert time.monotonic() < deadline, "front ends outlived their engine"
         time.sleep(0.2)
+    # the killed engine left its socket directory; the next engine's start sweeps it (outside QA)
+    left = list(Path(tempfile.gettempdir()).glob(f"search-engine-{server.pid}-*"))
+    assert left and (left[0] / "engine.sock").exists()
+    assert sweep_socket_dirs() and not any(p.exists() for p in left)
+
+
+def test_the_socket_directories_of_dead_engines_are_swept_and_no_others(tmp_path):
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = tmp_path / f"search-engine-{int(done.stdout)}-abc"
+    alive = tmp_path / f"search-engine-{os.getpid()}-def"
+    other = tmp_path / "search-engine-notapid"
+    for d in (dead, alive, other):
+        d.mkdir()
+        (d / "engine.sock").write_text("")
+    assert sweep_socket_dirs(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and alive.exists() and other.exists()
 
 
 def engine_metric(metrics_port: int, name: str, **labels) -> float:

@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import pickle
+import shutil
 import signal
 import socket
 import struct
@@ -372,7 +373,8 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
     port = cfg.listen.port or _free_port(cfg.listen.host)
     core = SearchCore(cfg, None, None, device)
     core.load()
-    sock_dir = tempfile.mkdtemp(prefix="search-engine-")
+    sweep_socket_dirs()
+    sock_dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
     path = os.path.join(sock_dir, "engine.sock")
 
     async def main():
@@ -464,6 +466,30 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
             os.rmdir(sock_dir)
         except OSError:
             pass
+
+
+SOCKET_DIR_PREFIX = "search-engine-"
+
+
+def sweep_socket_dirs(tmp: Optional[str] = None) -> list[str]:
+    """Remove the socket directories (`search-engine-<pid>-*` in the temporary directory) of
+    engines that died without removing theirs (SIGKILL, a lost host's restart of the
+    container): this user's, whose process is gone. A pid in use again is left alone - a
+    directory too many, never a live engine's socket taken away. Returns what was removed."""
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    for entry in Path(tmp).glob(f"{SOCKET_DIR_PREFIX}*-*"):
+        pid = entry.name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or entry.is_symlink() or entry.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its engine is gone
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(str(entry))
+        except OSError:  # gone meanwhile, or a pid of another user's (alive): not ours to remove
+            continue
+    return removed
 
 
 def _frontend_args(argv: list[str], port: int) -> list[str]:
