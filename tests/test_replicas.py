@@ -54,6 +54,29 @@ def test_unavailable_is_retried_on_the_next_replica():
     assert (a.calls, b.calls) == (1, 1) and rs.stats["retries"] == 1
 
 
+def test_a_replica_that_cannot_answer_its_queries_now_is_retried_elsewhere_without_a_strike():
+    """A replica that has not applied the write a read-your-writes query names, and cannot ask
+    the write log (NATS down), answers each query UNAVAILABLE: another replica that applied it
+    answers instead; the first is not struck (it answered at once, and is healthy)."""
+    a, b = Replica("a"), Replica("b")
+
+    async def not_yet(queries, timeout=None):
+        a.calls += 1
+        return [Unavailable("shard 0 has applied the write log to 5, not yet 9, and cannot ask "
+                            "the log") for _ in queries]
+
+    a.search = not_yet
+    rs = ReplicaSet(0, [a, b], HedgePolicy(enabled=False))
+    for _ in range(4):  # more than eject_after: answering is not a strike
+        answers = run(rs.search(Q, 5))
+        assert answers[0].corpus_version == "v1" and answers[0].replica in ("a", "b")
+    assert a.calls >= 1 and rs.health[0].strikes == 0 and rs.stats["ejections"] == 0
+    # where no replica can, the caller hears UNAVAILABLE naming each replica's answer
+    b.search = not_yet
+    with pytest.raises(Unavailable, match="2 of 2 replicas failed.*not yet 9"):
+        run(rs.search(Q, 5))
+
+
 def test_a_replica_that_is_down_is_ejected_not_tried_before_every_search():
     """Outside QA: a replica refusing connections fails in microseconds, so it never had calls
     outstanding and looked the least loaded: with it down, every search paid a failing call

@@ -22,7 +22,9 @@ Policy, in order:
    looks again after each further delay (other requests refill it); a call with no answer after
    `stall_ms` (1 s) is stalled, and the second replica is tried without a token.
 4. **Retry**: a replica that fails with UNAVAILABLE (down, refused, reset, overloaded) or serves
-   another build is retried at once on the next untried replica, within the request's deadline.
+   another build is retried at once on the next untried replica, within the request's deadline;
+   so is a call whose every query the replica answered UNAVAILABLE (a read-your-writes sequence
+   it cannot confirm, a shutdown), without a strike against it.
 5. **Fail fast**: INVALID_ARGUMENT, NOT_FOUND and other FAILED_PRECONDITIONs are the request's
    fault or the build's, the same on every replica: returned at once, never retried.
 6. **Summarise**: when every replica failed, the error says how many and why, e.g.
@@ -350,6 +352,14 @@ class ReplicaSet:
             for a in answers:  # a replica of another build refuses every query of the batch
                 if isinstance(a, FailedPrecondition) and self._check_build(i, a):
                     raise a
+            # a replica that cannot answer any of them now (it has not applied a write the
+            # caller asked to read and cannot ask the write log where its own entries are; it is
+            # shutting down) says so per query: another replica may answer them, so the batch is
+            # tried there - without a strike, since the replica answered. Where some queries did
+            # answer, they are kept with the others' errors
+            if answers and all(isinstance(a, Unavailable) and not isinstance(a, ReplicaOverloaded)
+                               for a in answers):
+                raise answers[0]
             for a in answers:
                 if isinstance(a, ShardResult):
                     a.replica = self._name(i)
