@@ -8,6 +8,8 @@
    faiss on the built file), and serves it (`search-server serve`, no embedding model).
 2. Sends the --batch queries as ONE SearchBatch call (dense, top_k 10), --repeats times, from this
    process (it builds the request each time, as a client would); QPS = queries / wall time.
+   Each vector form (--forms) in turn on the same server: `bytes` (QueryVector.values_f32, what
+   server/client.py sends) and `floats` (QueryVector.values, one Python float per value).
 3. Searches the same queries with faiss on the same dense.faiss file, one batched call with all
    OpenMP threads, --repeats times.
 Prints both, their ratio, and both recalls against exact search, measured in the same run.
@@ -37,6 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--flags", action="append", default=None,
                     help="extra serve flags of one server variant (repeatable; default: none)")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--forms", default="bytes,floats",
+                    help="vector forms to send, each measured on the same server: bytes, floats")
     args = ap.parse_args(argv)
 
     import faiss
@@ -70,31 +74,37 @@ def main(argv=None) -> int:
             index.search(xq, 10)
         faiss_qps = args.batch * args.repeats / (time.perf_counter() - t0)
 
-        def call(stub):
+        def vector(q, form):
+            if form == "bytes":
+                return pb.QueryVector(values_f32=q.astype("<f4").tobytes(), model_id=engine.MODEL)
+            return pb.QueryVector(values=q.tolist(), model_id=engine.MODEL)
+
+        def call(stub, form):
             req = pb.SearchBatchRequest(queries=[pb.SearchRequest(
-                collection="bench", top_k=10, mode=pb.DENSE,
-                vector=pb.QueryVector(values=q.tolist(), model_id=engine.MODEL)) for q in xq])
+                collection="bench", top_k=10, mode=pb.DENSE, vector=vector(q, form)) for q in xq])
             return stub.SearchBatch(req, timeout=120)
 
-        variants = args.flags or [""]
-        runs = {f: [] for f in variants}
+        forms = args.forms.split(",")
+        variants = [(f, form) for f in (args.flags or [""]) for form in forms]
+        runs = {v: [] for v in variants}
         recalls = {}
         for _ in range(args.rounds):
-            for flags in variants:
+            for flags in dict.fromkeys(f for f, _ in variants):
                 engine.server_flags = tuple(shlex.split(flags))
                 engine._restart()
                 channel = grpc.insecure_channel(f"127.0.0.1:{engine.port}",
                                                 options=[("grpc.max_receive_message_length", 64 << 20)])
                 stub = pb_grpc.SearchServiceStub(channel)
-                resp = call(stub)  # warm-up, and the answers for recall
-                assert all(r.code == 0 for r in resp.results), \
-                    [r.message for r in resp.results if r.code][:3]
-                recalls[flags] = E.recall_at_k([[int(h.doc_id) for h in r.response.hits]
-                                                for r in resp.results], gt, 10)
-                t0 = time.perf_counter()
-                for _ in range(args.repeats):
-                    call(stub)
-                runs[flags].append(args.batch * args.repeats / (time.perf_counter() - t0))
+                for form in forms:
+                    resp = call(stub, form)  # warm-up, and the answers for recall
+                    assert all(r.code == 0 for r in resp.results), \
+                        [r.message for r in resp.results if r.code][:3]
+                    recalls[flags, form] = E.recall_at_k([[int(h.doc_id) for h in r.response.hits]
+                                                          for r in resp.results], gt, 10)
+                    t0 = time.perf_counter()
+                    for _ in range(args.repeats):
+                        call(stub, form)
+                    runs[flags, form].append(args.batch * args.repeats / (time.perf_counter() - t0))
                 channel.close()
     finally:
         engine.close()
@@ -104,15 +114,18 @@ def main(argv=None) -> int:
     print("|---|---|---|")
     print(f"| faiss, one batched call on the index file (all OpenMP threads) | {faiss_recall:.4f} | "
           f"{faiss_qps:,.0f} |")
-    for flags in variants:
-        qps = sum(runs[flags]) / len(runs[flags])
-        rounds = " / ".join(f"{x:,.0f}" for x in runs[flags]) if args.rounds > 1 else ""
-        name = f"service, one SearchBatch call over gRPC{' (' + flags + ')' if flags else ''}"
-        print(f"| {name} | {recalls[flags]:.4f} | {qps:,.0f}{' (' + rounds + ')' if rounds else ''} |")
-    for flags in variants:
-        qps = sum(runs[flags]) / len(runs[flags])
-        print(f"\nSearchBatch{' (' + flags + ')' if flags else ''} / faiss batched: {qps / faiss_qps:.2f}x",
-              end="")
+    def label(v):
+        flags, form = v
+        return f"{form}{', ' + flags if flags else ''}"
+
+    for v in variants:
+        qps = sum(runs[v]) / len(runs[v])
+        rounds = " / ".join(f"{x:,.0f}" for x in runs[v]) if args.rounds > 1 else ""
+        name = f"service, one SearchBatch call over gRPC ({label(v)})"
+        print(f"| {name} | {recalls[v]:.4f} | {qps:,.0f}{' (' + rounds + ')' if rounds else ''} |")
+    for v in variants:
+        qps = sum(runs[v]) / len(runs[v])
+        print(f"\nSearchBatch ({label(v)}) / faiss batched: {qps / faiss_qps:.2f}x", end="")
     print()
     return 0
 

@@ -65,12 +65,14 @@ def build(data: Path, base_docs, dim: int):
 
 
 def write_requests(docs, dim, prefix):
+    from server.client import f32_bytes
     from server.rpc import search_pb2 as pb
 
     v = clustered(len(docs), dim, seed=2)
     return [pb.UpsertDocumentRequest(collection="w", doc_id=f"{prefix}{i}", version=1, title=d.title,
                                      vector_model_id=MODEL,
-                                     chunks=[pb.ChunkInput(text=d.text or d.title, vector=v[i].tolist())])
+                                     chunks=[pb.ChunkInput(text=d.text or d.title,
+                                                           vector_f32=f32_bytes(v[i]))])
             for i, d in enumerate(docs)]
 
 

@@ -1335,7 +1335,7 @@ class _SearchServiceClient:
         pb = self.pb
         resp = self.stub.Search(pb.SearchRequest(
             collection="bench", top_k=int(k), mode=pb.DENSE,
-            vector=pb.QueryVector(values=np.asarray(q, np.float32).tolist(), model_id=self.model_id)),
+            vector=pb.QueryVector(values_f32=np.asarray(q, "<f4").tobytes(), model_id=self.model_id)),
             timeout=30)
         return [int(h.doc_id) for h in resp.hits]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 import grpc
+import numpy as np
 
 from server.core.limits import MAX_BATCH_QUERIES, MAX_MESSAGE_BYTES
 from server.rpc import search_pb2 as pb
@@ -177,10 +178,19 @@ def request(text: str = "", *, collection: str, top_k: int = 10, mode: Optional[
     for a text, dense for a vector alone; `vector` with the model id it came from)."""
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
-    qv = None if vector is None else pb.QueryVector(values=[float(x) for x in vector], model_id=model_id)
+    qv = None if vector is None else pb.QueryVector(values_f32=f32_bytes(vector), model_id=model_id)
     return pb.SearchRequest(collection=collection, text=text, top_k=top_k,
                             mode=pb.SEARCH_MODE_UNSPECIFIED if mode is None else MODES[mode],
                             vector=qv, **fields)
+
+
+def f32_bytes(vector: Sequence[float]) -> bytes:
+    """A vector as QueryVector.values_f32 / ChunkInput.vector_f32 take it: raw little-endian
+    float32, one conversion of the whole array instead of one Python float per value."""
+    x = np.asarray(vector, dtype="<f4")
+    if x.ndim != 1:
+        raise ValueError(f"a vector is one row of floats, not an array of shape {x.shape}")
+    return x.tobytes()
 
 
 def _is_jsonl(lines: list[str]) -> bool:

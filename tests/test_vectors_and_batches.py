@@ -75,15 +75,51 @@ def test_a_build_from_vectors_returns_the_top_10_faiss_returns_on_them(vec_serve
         assert got == [f"v{i}" for i in row]
 
 
-@pytest.mark.parametrize("bad", ["dimension", "nan", "model", "untagged"])
+def raw_req(raw: bytes, values=(), model=MODEL, top_k=10):
+    """A query whose vector is given as float32 bytes (QueryVector.values_f32)."""
+    return pb.SearchRequest(collection="vec", top_k=top_k, mode=pb.DENSE,
+                            vector=pb.QueryVector(values=values, values_f32=raw, model_id=model))
+
+
+@pytest.mark.parametrize("bad", ["dimension", "nan", "model", "untagged", "bytes-dimension",
+                                 "bytes-nan", "bytes-ragged", "given-twice"])
 def test_query_vectors_of_another_shape_or_model_are_refused(vec_server, bad):
     _, stub = vec_server
     v = np.ones(DIM, np.float32) / np.sqrt(DIM)
+    raw = v.astype("<f4").tobytes()
     req = {"dimension": vreq(np.ones(DIM + 3)), "nan": vreq(np.full(DIM, np.nan)),
-           "model": vreq(v, model="someone-elses-model@1"), "untagged": vreq(v, model="")}[bad]
+           "model": vreq(v, model="someone-elses-model@1"), "untagged": vreq(v, model=""),
+           "bytes-dimension": raw_req(raw + raw[:8]),
+           "bytes-nan": raw_req(np.full(DIM, np.nan, "<f4").tobytes()),
+           "bytes-ragged": raw_req(raw[:-1]), "given-twice": raw_req(raw, v.tolist())}[bad]
     with pytest.raises(grpc.RpcError) as err:
         stub.Search(req, timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    if bad == "given-twice":
+        assert "given twice" in err.value.details()
+
+
+def test_a_vector_as_float32_bytes_answers_as_the_same_vector_as_floats(vec_server,
+                                                                        vector_collection):
+    """QueryVector.values_f32 (what server/client.py sends) and values are one vector: the
+    same hits and scores, in Search and in SearchBatch."""
+    from server.client import f32_bytes, request
+
+    _, stub = vec_server
+    _, _, _, q, _ = vector_collection
+    for qi in q[:10]:
+        floats = stub.Search(vreq(qi), timeout=10)
+        raw = stub.Search(raw_req(f32_bytes(qi)), timeout=10)
+        assert [(h.chunk_id, h.score) for h in raw.hits] == [(h.chunk_id, h.score) for h in floats.hits]
+    sent = request(collection="vec", vector=list(map(float, q[0])), model_id=MODEL)
+    assert sent.vector.values_f32 == q[0].astype("<f4").tobytes() and not sent.vector.values
+    batch = stub.SearchBatch(pb.SearchBatchRequest(queries=[raw_req(f32_bytes(x)) for x in q[:5]]),
+                             timeout=10)
+    for x, item in zip(q[:5], batch.results):
+        assert [h.chunk_id for h in item.response.hits] == [h.chunk_id for h in
+                                                             stub.Search(vreq(x), timeout=10).hits]
+    with pytest.raises(ValueError, match="one row of floats"):
+        f32_bytes(np.ones((2, DIM)))
 
 
 def test_text_needs_a_model_the_server_does_not_have_but_lexical_works(vec_server):
@@ -110,9 +146,11 @@ def test_upserts_carry_their_own_chunk_vectors(vec_server, vector_collection):
     rng = np.random.default_rng(9)
     v = rng.standard_normal(DIM).astype(np.float32)
     v /= np.linalg.norm(v)
+    # one chunk's vector as floats, the other's as float32 bytes
     ok = pb.UpsertDocumentRequest(collection="vec", doc_id="mine-1", version=1, vector_model_id=MODEL,
                                   chunks=[pb.ChunkInput(text="zyxmine first part", vector=v.tolist()),
-                                          pb.ChunkInput(text="second part", vector=(-v).tolist())])
+                                          pb.ChunkInput(text="second part",
+                                                        vector_f32=(-v).astype("<f4").tobytes())])
     assert stub.UpsertDocument(ok, timeout=10).outcome == pb.WriteResponse.APPLIED
     top = stub.Search(vreq(v, top_k=1), timeout=10).hits[0]
     assert top.doc_id == "mine-1" and top.text == "zyxmine first part" and top.start_offset == 0
@@ -120,15 +158,20 @@ def test_upserts_carry_their_own_chunk_vectors(vec_server, vector_collection):
     assert second.doc_id == "mine-1" and second.start_offset == len("zyxmine first part") + 2
 
 
-@pytest.mark.parametrize("bad", ["model", "dimension", "nan", "some-missing"])
+@pytest.mark.parametrize("bad", ["model", "dimension", "nan", "some-missing", "bytes-ragged",
+                                 "bytes-dimension", "given-twice"])
 def test_bad_chunk_vectors_are_refused_and_change_nothing(vec_server, bad):
     _, stub = vec_server
     v = [0.1] * DIM
+    raw = np.asarray(v, "<f4").tobytes()
     chunks = {"model": [pb.ChunkInput(text="zyxbadvec", vector=v)],
               "dimension": [pb.ChunkInput(text="zyxbadvec", vector=v + [0.2])],
               "nan": [pb.ChunkInput(text="zyxbadvec", vector=[float("nan")] * DIM)],
               "some-missing": [pb.ChunkInput(text="zyxbadvec", vector=v),
-                               pb.ChunkInput(text="no vector")]}[bad]
+                               pb.ChunkInput(text="no vector")],
+              "bytes-ragged": [pb.ChunkInput(text="zyxbadvec", vector_f32=raw[:-2])],
+              "bytes-dimension": [pb.ChunkInput(text="zyxbadvec", vector_f32=raw[:-4])],
+              "given-twice": [pb.ChunkInput(text="zyxbadvec", vector=v, vector_f32=raw)]}[bad]
     req = pb.UpsertDocumentRequest(collection="vec", doc_id=f"bad-{bad}", version=1, chunks=chunks,
                                    vector_model_id="other@1" if bad == "model" else MODEL)
     with pytest.raises(grpc.RpcError) as err:

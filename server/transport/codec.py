@@ -35,6 +35,16 @@ def _f32(data: bytes, what: str) -> Optional[np.ndarray]:
     return np.frombuffer(data, dtype="<f4")
 
 
+def _vector(values, raw: bytes, what: str) -> np.ndarray:
+    """A caller's vector, given as repeated floats or as raw little-endian float32 bytes (one of
+    the two); a writable array of its own either way."""
+    if not raw:
+        return np.array(values, dtype=np.float32)
+    if len(values):
+        raise InvalidArgument(f"{what} is given twice (as floats and as float32 bytes): give one")
+    return _f32(raw, what).astype(np.float32)
+
+
 # --- public API --------------------------------------------------------------------------------
 def query_from_pb(req: pb.SearchRequest) -> SearchQuery:
     mode = MODE_NAMES.get(req.mode)
@@ -42,7 +52,7 @@ def query_from_pb(req: pb.SearchRequest) -> SearchQuery:
         raise InvalidArgument(f"unknown search mode value {req.mode}")
     vector, model_id = None, ""
     if req.HasField("vector"):
-        vector = np.array(req.vector.values, dtype=np.float32)
+        vector = _vector(req.vector.values, req.vector.values_f32, "the query vector")
         model_id = req.vector.model_id
     return SearchQuery(
         collection=req.collection, text=req.text, vector=vector, vector_model_id=model_id,
@@ -119,8 +129,9 @@ def result_to_pb(res: SearchResult, dense_kind: int,
 def write_from_pb(req, op: str) -> WriteRequest:
     if op == "delete":
         return WriteRequest("delete", req.collection, req.doc_id, req.version)
-    chunks = tuple((c.text, np.array(c.vector, dtype=np.float32) if len(c.vector) else None)
-                   for c in req.chunks)
+    chunks = tuple((c.text, _vector(c.vector, c.vector_f32, f"chunk {i}'s vector")
+                    if len(c.vector) or c.vector_f32 else None)
+                   for i, c in enumerate(req.chunks))
     return WriteRequest("upsert", req.collection, req.doc_id, req.version, req.text, req.title,
                         dict(req.metadata), tuple(req.acl), req.source_modified_at, chunks,
                         req.vector_model_id)
