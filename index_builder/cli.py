@@ -137,6 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT)
     ls.add_argument("--collection", default=None)
 
+    pr = sub.add_parser(
+        "prune", help="remove old builds of a collection (never the live build, its rollback "
+                      "target, or the builds they were compacted from)",
+        description="Remove the builds of a collection that nothing needs: kept are the live "
+                    "build, its rollback target (the alias's previous), the builds either was "
+                    "compacted from (a later publish or rollback replays their write logs), and "
+                    "the --keep newest. Servers remove their state of a removed build on their "
+                    "next alias poll, unless they still serve it (a server that was down replays "
+                    "its writes from that state when it starts).")
+    _add_common(pr)
+    pr.add_argument("--keep", type=int, default=2,
+                    help="the newest builds kept besides those (default: 2; 0 keeps only those)")
+    pr.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+
     ev = sub.add_parser("eval", help="evaluate BEIR datasets through the service")
     ev.add_argument("--dataset", action="append", required=True,
                     help="BEIR dir with corpus.jsonl, queries.jsonl, qrels/, optionally =COLLECTION "
@@ -455,6 +469,36 @@ def cmd_list(args) -> int:
     return 1 if damaged else 0
 
 
+def cmd_prune(args) -> int:
+    from server.core.collection import CollectionStore
+
+    if args.keep < 0:
+        raise ValueError(f"--keep must be 0 or more, not {args.keep}")
+    store = CollectionStore(args.data_dir)
+    if not store.builds(args.collection):
+        print(f"collection {args.collection!r} has no builds under {args.data_dir}", file=sys.stderr)
+        return 2
+    plan = store.retention(args.collection, args.keep)
+    freed, removed = 0, 0
+    for build_id, kept, why in plan:
+        if kept:
+            print(f"  keep    {build_id}  ({why})")
+            continue
+        if args.dry_run:
+            size = sum(f.stat().st_size for f in store.build_dir(args.collection, build_id).rglob("*")
+                       if f.is_file())
+            print(f"  would remove {build_id}  ({size / 1e6:.1f} MB)")
+        else:
+            size = store.remove_build(args.collection, build_id)
+            print(f"  removed {build_id}  ({size / 1e6:.1f} MB)")
+        freed += size
+        removed += 1
+    verb = "would free" if args.dry_run else "freed"
+    print(f"{args.collection}: {removed} of {len(plan)} builds {'to remove' if args.dry_run else 'removed'}, "
+          f"{verb} {freed / 1e6:.1f} MB")
+    return 0
+
+
 def cmd_demo_corpus(args) -> int:
     from index_builder.corpus import stdlib_docs
 
@@ -510,6 +554,7 @@ def cmd_eval(args) -> int:
 
 
 COMMANDS = {"build": cmd_build, "audit": cmd_audit, "publish": cmd_publish, "list": cmd_list,
+            "prune": cmd_prune,
             "demo-corpus": cmd_demo_corpus, "eval": cmd_eval, "canary-check": cmd_canary,
             "compact": cmd_compact}
 

@@ -273,7 +273,8 @@ def test_a_corpus_build_published_after_compactions_gets_every_earlier_write(two
     """Regression (outside QA): writes made before a compaction vanished, and a deleted document
     came back, when a new corpus build was published: only the compacted build's own log was
     replayed, and its source's writes live in its base files, not in that log."""
-    from index_builder.build import audit_build
+    from index_builder.build import audit_build, build_collection
+    from server.errors import FailedPrecondition, NotFound
 
     store, a, b = two_builds
     audit_build(store, "c", b.build_id)
@@ -298,12 +299,37 @@ def test_a_corpus_build_published_after_compactions_gets_every_earlier_write(two
             b_docs = {h.doc_id for h in stub.Search(pb.SearchRequest(
                 collection="c", text="flow", top_k=100, mode=pb.DENSE), timeout=30).hits}
             assert gone_b not in b_docs and kept_b in b_docs  # the delete made on A holds on B
+            # pruning keeps the rollback target's compaction lineage (its logs are what a
+            # rollback past it replays) ...
+            kept = {x: why for x, k, why in store.retention("c", 0) if k}
+            assert kept == {b.build_id: "the live build", second: "the rollback target",
+                            first: "compacted into the rollback target",
+                            a.build_id: "compacted into the rollback target"}
+            # ... until a later publish leaves it behind: then it goes, and nothing served moves
+            c = build_collection(docs("c", cranfield_docs[160:], 40), store, "c", tiny_embedder,
+                                 "Flat", quiet=True)
+            audit_build(store, "c", c.build_id)
+            store.publish("c", c.build_id)
+            run(srv, srv.core.switch_build("c"))
+            assert _lineage_answer(stub) == (c.build_id, LINEAGE_WANT)
+            plan = store.retention("c", 0)
+            assert [x for x, k, _ in plan if not k] == [second, first, a.build_id]
+            for x in (second, first, a.build_id):
+                store.remove_build("c", x)
+            with pytest.raises(NotFound, match="has no release.json"):
+                store.publish("c", first, verify_files=False, require_audit=False)
+            store.publish("c", b.build_id)  # a rollback to the kept target still holds every write
+            run(srv, srv.core.switch_build("c"))
+            assert _lineage_answer(stub) == (b.build_id, LINEAGE_WANT)
+            with pytest.raises(FailedPrecondition, match="rollback target; not removed"):
+                store.remove_build("c", c.build_id)
     finally:
         srv.stop()
 
 
+@pytest.mark.parametrize("descriptor_copy", [True, False])
 def test_two_publishes_while_the_server_is_down_keep_every_write(two_builds, tiny_embedder,
-                                                                 cranfield_docs):
+                                                                 cranfield_docs, descriptor_copy):
     """Regression (outside QA): A took an upsert and a delete, the server stopped, B then C were
     published, and the restarted server served C without the upsert and with the deleted
     document: only the alias's `previous` (B, which never served) was replayed. The state now
@@ -337,6 +363,17 @@ def test_two_publishes_while_the_server_is_down_keep_every_write(two_builds, tin
         srv.stop()
     store.publish("c", b.build_id)
     store.publish("c", c.build_id)
+    # and A, neither live nor the rollback target now, is pruned before the server comes back:
+    # its writes are replayed from its state, which kept a copy of its descriptor (skipping a
+    # build gone from the data directory lost them)
+    assert [(x, kept) for x, kept, _ in store.retention("c", 0)
+            if x in (a.build_id, b.build_id, c.build_id)] == [
+        (c.build_id, True), (b.build_id, True), (a.build_id, False)]
+    store.remove_build("c", a.build_id)
+    state = store.data_dir / ".state" / "c"
+    assert (state / a.build_id / "release.json").is_file()
+    if not descriptor_copy:  # a state made before states kept one: its own log still replays
+        (state / a.build_id / "release.json").unlink()
     srv = serve()
     try:
         with grpc.insecure_channel(srv.address) as ch:
@@ -344,6 +381,12 @@ def test_two_publishes_while_the_server_is_down_keep_every_write(two_builds, tin
             ids = dense_ids(stub)
             assert "written-on-a" in ids and gone not in ids
             assert f"a-{cranfield_docs[4].doc_id}" in ids  # C's own corpus is served
+            # once C holds A's writes nothing needs A's state: the alias watcher's sweep removes
+            # it (and keeps those of the builds there)
+            assert srv.core.builds.unused_states("c") == [a.build_id]
+            run(srv, srv.core.builds.remove_unused_states("c"))
+            assert not (state / a.build_id).exists() and (state / c.build_id).is_dir()
+            assert "written-on-a" in dense_ids(stub)
     finally:
         srv.stop()
 

@@ -121,7 +121,8 @@ def test_tuning_says_whether_the_target_was_met(capsys):
 
 
 def test_every_command_has_help():
-    for cmd in ("build", "audit", "publish", "list", "eval", "compact", "canary-check", "demo-corpus"):
+    for cmd in ("build", "audit", "publish", "list", "prune", "eval", "compact", "canary-check",
+                "demo-corpus"):
         out = cli(cmd, "--help")
         assert out.returncode == 0 and "usage: index-builder" in out.stdout
 
@@ -579,3 +580,71 @@ def test_a_descriptor_from_a_newer_builder_loads_or_says_why_not(tmp_path, caplo
     path.write_text(json.dumps({**data, "format": 2, "a_later_field": 1}))
     with pytest.raises(FailedPrecondition, match="format 2, written by a newer index-builder"):
         store.descriptor("f", desc.build_id)
+
+
+def test_prune_removes_old_builds_and_a_following_server_removes_their_state(tmp_path, tiny_embedder,
+                                                                             tiny_embedder_dir,
+                                                                             cranfield_docs):
+    """Retention: every build and its state stayed until an operator removed them by hand.
+    `index-builder prune` removes the builds nothing needs (never the live build or its rollback
+    target), says what it removes first with --dry-run, and a server following the alias removes
+    its state of a removed build on its next poll, keeping the others'."""
+    import time
+
+    from conftest import publish_build
+    from harness.processes import ServiceProcess
+    from server.client import SearchClient
+
+    state = tmp_path / "state"
+    first = publish_build(tmp_path, "c", cranfield_docs[:20], tiny_embedder)
+
+    def serve():
+        return ServiceProcess(["serve", "--data-dir", str(tmp_path), "--state-dir", str(state),
+                               "--port", "0", "--device", "cpu", "--log-level", "WARNING",
+                               "--alias-poll-s", "0.2", "--embedder", str(tiny_embedder_dir),
+                               "--embedder-name", "tiny-test-embedder"])
+
+    srv = serve()
+    try:
+        client = SearchClient(srv.address)
+
+        def serves(build_id):
+            deadline = time.monotonic() + 60
+            while client.search("flow", collection="c").build_id != build_id:
+                assert time.monotonic() < deadline, f"the server never served {build_id}"
+                time.sleep(0.1)
+
+        serves(first.build_id)
+        builds = [first]
+        for i in (1, 2):  # two more publishes: the first build is neither live nor the rollback target
+            builds.append(publish_build(tmp_path, "c", cranfield_docs[20 * i:20 * i + 20],
+                                        tiny_embedder))
+            serves(builds[-1].build_id)
+        assert (state / "c" / first.build_id).is_dir()
+        out = cli("prune", "--data-dir", tmp_path, "--collection", "c", "--keep", 0, "--dry-run")
+        assert out.returncode == 0, out.stderr
+        assert f"would remove {first.build_id}" in out.stdout
+        assert f"keep    {builds[2].build_id}  (the live build)" in out.stdout
+        assert f"keep    {builds[1].build_id}  (the rollback target)" in out.stdout
+        assert (tmp_path / "c" / "builds" / first.build_id).is_dir()  # a dry run removes nothing
+        out = cli("prune", "--data-dir", tmp_path, "--collection", "c", "--keep", 0)
+        assert out.returncode == 0 and f"removed {first.build_id}" in out.stdout, out.stderr
+        assert "1 of 3 builds removed" in out.stdout
+        assert not (tmp_path / "c" / "builds" / first.build_id).exists()
+        # the server retired the first build a moment ago (its shards stay open for requests
+        # already on it, RETIRE_AFTER_S): a server started again sweeps it at its first poll
+        client.channel.close()
+        srv.stop()
+        srv = serve()
+        client = SearchClient(srv.address)
+        deadline = time.monotonic() + 60
+        while (state / "c" / first.build_id).exists():
+            assert time.monotonic() < deadline, "the server kept the state of a pruned build"
+            time.sleep(0.1)
+        assert all((state / "c" / b.build_id).is_dir() for b in builds[1:])
+        assert client.search("flow", collection="c").hits  # serving on, untouched
+        out = cli("prune", "--data-dir", tmp_path, "--collection", "c", "--keep", -1)
+        assert out.returncode == 2 and "--keep must be 0 or more" in out.stderr
+        client.channel.close()
+    finally:
+        srv.stop()

@@ -24,14 +24,15 @@ from server.backends.docstore import DocStore, LoggedWrite
 from server.config import ServerConfig
 from server.core import metrics
 from server.core.chunking import Chunk, embed_text, shard_of
-from server.core.collection import CollectionStore, ReleaseDescriptor, atomic_write, shard_dir_name
+from server.core.collection import CollectionStore, ReleaseDescriptor, atomic_write
 from server.core.encoders import Encoders
 from server.core.engine.local import EnginePools, LocalShard
-from server.core.engine.state import check_writable, state_shard_dir
+from server.core.engine.state import (DESCRIPTOR_COPY, check_writable, keep_descriptor,
+                                      remove_state)
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import ShardWrite
 from server.core.writes import WritePath
-from server.errors import FailedPrecondition, SearchError, is_failure
+from server.errors import FailedPrecondition, NotFound, SearchError, is_failure
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class BuildManager:
         self._unloadable: dict[str, Optional[str]] = {}
         self._unloadable_at: dict[str, float] = {}
         self._failed_switch: dict[str, str] = {}  # name -> the published build a switch failed to
+        self._states_seen: dict[str, tuple] = {}  # name -> what the last state sweep saw
         self.on_switch = None  # async callback(collection) after a switch (an engine tells its front ends)
 
     # --- loading -----------------------------------------------------------------------------
@@ -75,6 +77,7 @@ class BuildManager:
             for s in shards:
                 s.close_sync()
             raise
+        keep_descriptor(self.state_root, name, build_id, desc.to_json())
         return LoadedCollection(desc, shards)
 
     def load_all(self, names: Sequence[str] = ()) -> None:
@@ -163,9 +166,11 @@ class BuildManager:
             raise failures[0]
 
     async def _catch_up(self, loaded: LoadedCollection) -> None:
-        name, builds = loaded.name, self.store.builds(loaded.name)
+        name = loaded.name
         sources = [self._last_served(name), self.store.alias(name).get("previous")]
-        for source in dict.fromkeys(b for b in sources if b and b in builds):
+        # a build pruned while this server was down is replayed from its state (the copy of its
+        # descriptor there): skipping it lost the writes it took
+        for source in dict.fromkeys(b for b in sources if b and self._known(name, b)):
             await self.replay(name, source, loaded)
         self._mark_served(name, loaded.desc.build_id)
 
@@ -222,18 +227,48 @@ class BuildManager:
     def _state_build_dir(self, name: str, build_id: str) -> Path:
         return self.state_root / name / build_id
 
+    def descriptor(self, name: str, build_id: str) -> ReleaseDescriptor:
+        """A build's descriptor: the build's own, or - once the build is pruned - the copy its
+        state kept (`keep_descriptor`), so the writes that state logged can still be replayed."""
+        try:
+            return self.store.descriptor(name, build_id)
+        except NotFound:
+            copy = self._state_build_dir(name, build_id) / DESCRIPTOR_COPY
+            if not copy.is_file():
+                raise
+            return ReleaseDescriptor.from_json(copy.read_text(), copy)
+
+    def _known(self, name: str, build_id: str) -> bool:
+        """Whether the build or a state of it is here (a state's writes can be replayed)."""
+        if self._state_build_dir(name, build_id).is_dir():
+            return True
+        try:
+            self.descriptor(name, build_id)
+            return True
+        except NotFound:
+            return False
+
+    def _compacted_from(self, name: str, build_id: str) -> Optional[str]:
+        try:
+            return self.descriptor(name, build_id).compacted_from
+        except NotFound:  # pruned, with a state made before states kept a descriptor copy
+            log.warning("%s: build %s is gone and its state here keeps no copy of its "
+                        "descriptor: its own logged writes are replayed, those of any build it "
+                        "was compacted from cannot be", name, build_id)
+            return None
+
     def lineage(self, name: str, build_id: str) -> list[str]:
         """`build_id` and the builds it was compacted from, oldest first. A compacted build's
         base files hold its source's writes, so its own log does not: replaying a build's writes
-        elsewhere means replaying its lineage's logs. Stops at a corpus build or one removed."""
+        elsewhere means replaying its lineage's logs. Stops at a corpus build or one gone (its
+        directory and any state of it here)."""
         chain, seen = [build_id], {build_id}
-        builds = set(self.store.builds(name))
-        source = self.store.descriptor(name, build_id).compacted_from
-        while source and source in builds and source not in seen:
+        source = self._compacted_from(name, build_id)
+        while source and source not in seen and self._known(name, source):
             chain.append(source)
             seen.add(source)
-            source = self.store.descriptor(name, source).compacted_from
-        if source and source not in builds:
+            source = self._compacted_from(name, source)
+        if source and source not in seen:
             log.warning("%s: build %s was compacted from %s, which is gone: writes logged only "
                         "there cannot be replayed", name, chain[-1], source)
         return chain[::-1]
@@ -265,13 +300,15 @@ class BuildManager:
         tstate = check_writable(self._state_build_dir(name, target.desc.build_id))
         marker = read_replay_marker(tstate, self.store.build_dir(name, target.desc.build_id))
         done = marker.setdefault(source_build, {})
-        sdesc = self.store.descriptor(name, source_build)
         applied = 0
         loop = asyncio.get_running_loop()
-        for s in range(sdesc.shards):
-            path = state_shard_dir(self.state_root, name, source_build, shard_dir_name(s)) / "docstore.sqlite"
+        # the shards whose state is here (none: that build never served here, took no writes
+        # here); read from the state, not the build's descriptor: the build may be pruned
+        for shard in sorted(self._state_build_dir(name, source_build).glob("shard-*")):
+            s = int(shard.name.split("-", 1)[1])
+            path = shard / "docstore.sqlite"
             if not path.is_file():
-                continue  # that build never served here: it took no writes here
+                continue
             while True:
                 log_store = DocStore(path)
                 try:
@@ -431,6 +468,57 @@ class BuildManager:
                         log.error("cannot switch %s to its published build %s (still serving "
                                   "%s): %s", name, live, self.registry.get(name).desc.build_id, exc)
                     self._failed_switch[name] = live
+            for name in self.registry.names():  # pruned builds' states: not kept for ever
+                try:
+                    await self.remove_unused_states(name)
+                except (OSError, SearchError) as exc:
+                    log.warning("%s: could not remove unused build states: %s", name, exc)
+
+    def unused_states(self, name: str) -> list[str]:
+        """Builds of `name` whose state here nothing can use any more: the build is gone from
+        the data directory (pruned), and it is not the build served, one retired moments ago,
+        the build this state last served, or in the compaction lineage of the live or previous
+        build (whose logs a publish or rollback replays). Nothing when the data directory does
+        not hold the live build (a volume not mounted must not read as every build pruned)."""
+        root = self.state_root / name
+        try:
+            alias = self.store.alias(name)
+            builds = set(self.store.builds(name))
+        except (SearchError, OSError, ValueError):
+            return []
+        if not root.is_dir() or alias.get("live") not in builds:
+            return []
+        needed = {self._last_served(name), *(b for n, b in self._retired if n == name)}
+        if name in self.registry.names():
+            needed.add(self.registry.get(name).desc.build_id)
+        for head in (alias.get("live"), alias.get("previous")):
+            if head and self._known(name, head):
+                needed.update(self.lineage(name, head))
+        return sorted(d.name for d in root.iterdir()
+                      if d.is_dir() and not d.name.startswith(".") and d.name not in builds
+                      and d.name not in needed)
+
+    async def remove_unused_states(self, name: str) -> None:
+        """Remove the states `unused_states` names (off the loop: a state holds a copy of its
+        shard's documents), each unless a process has it open; and what a removal cut short
+        left behind. Looked at again only when the builds, the alias or the build served
+        change (not at every poll)."""
+        try:
+            seen = (frozenset(self.store.builds(name)), tuple(self.store.alias(name).items()),
+                    self.registry.get(name).desc.build_id, frozenset(self._retired))
+        except (SearchError, OSError, ValueError):
+            return
+        if self._states_seen.get(name) == seen:
+            return
+        self._states_seen[name] = seen
+        loop = asyncio.get_running_loop()
+        for build_id in self.unused_states(name):
+            freed = await loop.run_in_executor(None, remove_state, self.state_root, name, build_id)
+            if freed is not None:
+                log.info("%s: removed the state of build %s (%.1f MB), whose build is gone",
+                         name, build_id, freed / 1e6)
+        for leftover in (self.state_root / name).glob(".removing-*"):
+            await loop.run_in_executor(None, shutil.rmtree, leftover, True)
 
     async def _load_new_collections(self) -> None:
         """Serve collections published since the start, and those whose build failed to load

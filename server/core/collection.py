@@ -388,7 +388,61 @@ class CollectionStore:
                 raise FailedPrecondition(
                     f"{name}: build {previous} was published while {build_id} was made from "
                     f"{expect_live}; {build_id} not published")
+            if not (self.build_dir(name, build_id) / DESCRIPTOR).is_file():  # pruned meanwhile
+                raise NotFound(f"build {build_id!r} of collection {name!r} is gone (pruned?); "
+                               f"not published")
             # publishing the live build again keeps its rollback target (outside QA: it was lost)
             alias = {"live": build_id, "previous": previous if previous != build_id else before}
             atomic_write(alias_path, json.dumps(alias))
         return alias
+
+    # --- retention -----------------------------------------------------------------------------
+    def retention(self, name: str, keep: int) -> list[tuple[str, bool, str]]:
+        """Which builds of `name` to keep, and why: (build id, kept, reason), newest first. Kept:
+        the live build and its rollback target (`previous`), the builds either was compacted
+        from (their write logs are what a later publish or rollback replays: a compacted
+        build's base holds its source's writes, its own log does not), and the `keep` newest
+        builds (one just made and not yet published among them). A build whose descriptor
+        cannot be read is kept (it may be one an operator is repairing)."""
+        alias = self.alias(name)
+        heads = {"the live build": alias.get("live"), "the rollback target": alias.get("previous")}
+        made: dict[str, float] = {}
+        damaged = set()
+        for b in self.builds(name):
+            try:
+                made[b] = self.descriptor(name, b).created_at or 0.0
+            except (IndexCorruptError, KeyError, TypeError, ValueError):
+                damaged.add(b)
+        why: dict[str, str] = {}
+        for role, head in heads.items():
+            source, seen = head, set()
+            while source and source in made and source not in seen:
+                seen.add(source)
+                why.setdefault(source, role if source == head else f"compacted into {role}")
+                source = self.descriptor(name, source).compacted_from
+        for b in sorted(made, key=lambda b: (made[b], b), reverse=True)[:max(0, keep)]:
+            why.setdefault(b, f"one of the {keep} newest")
+        for b in damaged:
+            why[b] = "its descriptor is unreadable"
+        order = sorted(made, key=lambda b: (made[b], b), reverse=True) + sorted(damaged)
+        return [(b, b in why, why.get(b, "")) for b in order]
+
+    def remove_build(self, name: str, build_id: str) -> int:
+        """Remove one build's directory - never the live build or its rollback target (checked
+        under the alias lock, which publishers take: a publish cannot flip to it meanwhile).
+        Renamed to a staging name first, so a removal cut short is swept, never half served.
+        Returns the bytes freed."""
+        path = self.build_dir(name, build_id)
+        with open(self.collection_dir(name) / ".ALIAS.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            alias = self.alias(name)
+            if build_id in (alias.get("live"), alias.get("previous")):
+                raise FailedPrecondition(f"build {build_id} of {name!r} is the live build or its "
+                                         f"rollback target; not removed")
+            size = sum(st.st_size for st in (p.lstat() for p in path.rglob("*"))
+                       if stat.S_ISREG(st.st_mode))
+            doomed = path.parent / f".tmp-pruned-{build_id}"
+            os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        return size
+

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Optional
 
 from server.backends.device import Device
 from server.config import ServerConfig
 from server.core.collection import CollectionStore
 from server.core.engine.local import EnginePools, LocalShard
+from server.core.engine.state import remove_state
 from server.core.faults import FaultSpec, FaultyShard
 from server.errors import SearchError
 from server.transport.shard_rpc import shard_admission
@@ -46,6 +48,7 @@ class ShardReplica:
                                 s.inject_hang_prob, s.inject_seed)
         self.served = None  # what the servicer calls: the shard, or its fault-injecting wrapper
         self.previous = None  # (served, shard, replicator) of the build before the last flip
+        self._states_seen = None  # what the last sweep of unused states saw
         from server.roles import default_replica_id
 
         self.replica_id = default_replica_id(cfg)
@@ -98,6 +101,7 @@ class ShardReplica:
         refused, live, unfollowable = None, None, None
         while True:
             await asyncio.sleep(interval)
+            await self._remove_unused_states()
             try:
                 live = self.store.live_build(self.collection)
                 if live != unfollowable:
@@ -148,6 +152,36 @@ class ShardReplica:
                     unfollowable = live  # not tried at every poll, until the alias moves
             else:
                 refused = None
+
+    async def _remove_unused_states(self) -> None:
+        """Remove this replica's states of builds gone from the data directory (pruned) that it
+        does not have open: a shard server replays no other build's log (its writes come from
+        the write log), so nothing else reads them. Looked at when the builds or the builds
+        open change; nothing when the data directory does not hold the live build."""
+        try:
+            builds = frozenset(self.store.builds(self.collection))
+            live = self.store.live_build(self.collection)
+        except (SearchError, OSError, ValueError):
+            return
+        open_now = {self.local.desc.build_id} | (
+            {self.previous[1].desc.build_id} if self.previous is not None else set())
+        seen = (builds, frozenset(open_now))
+        root = Path(self.state_root) / self.collection
+        if live not in builds or seen == self._states_seen or not root.is_dir():
+            return
+        self._states_seen = seen
+        loop = asyncio.get_running_loop()
+        for d in sorted(root.iterdir()):
+            if d.is_dir() and not d.name.startswith(".") and d.name not in builds | open_now:
+                try:
+                    freed = await loop.run_in_executor(None, remove_state, self.state_root,
+                                                       self.collection, d.name)
+                except OSError as exc:
+                    log.warning("could not remove the state of build %s: %s", d.name, exc)
+                    continue
+                if freed is not None:
+                    log.info("removed the state of build %s (%.1f MB), whose build is gone",
+                             d.name, freed / 1e6)
 
     async def _retire(self, which=None, swap=None) -> None:
         """Close the previous build (`which`, if it is still the previous one) and its log

@@ -21,6 +21,7 @@ import fcntl
 import os
 import shutil
 import sqlite3
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -163,3 +164,43 @@ def lock_state(state_shard: Path):
     f.write(f"pid {os.getpid()}\n")
     f.flush()
     return f
+
+
+DESCRIPTOR_COPY = "release.json"  # <state>/<collection>/<build_id>/release.json
+
+
+def keep_descriptor(state_root: Path, collection: str, build_id: str, desc_json: str) -> None:
+    """A copy of the build's descriptor beside its state: once the build's own directory is
+    pruned, the writes its state logged can still be replayed into another build (which needs
+    the build's shard count and compaction source)."""
+    path = Path(state_root) / collection / build_id / DESCRIPTOR_COPY
+    if not path.is_file():
+        from server.core.collection import atomic_write
+
+        atomic_write(path, desc_json)
+
+
+def remove_state(state_root: Path, collection: str, build_id: str) -> Optional[int]:
+    """Remove one build's state directory unless a process has one of its shards open (each
+    open shard holds its `.engine.lock`). Returns the bytes freed, or None when it is in use."""
+    root = Path(state_root) / collection / build_id
+    held = []
+    try:
+        for shard in sorted(root.glob("shard-*")):
+            f = open(shard / ".engine.lock", "a+")
+            held.append(f)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None  # served by some process: not ours to remove
+        # files hard-linked to a build (BM25 segments) free nothing while the build has them
+        size = sum(st.st_size for st in (p.lstat() for p in root.rglob("*"))
+                   if stat.S_ISREG(st.st_mode) and st.st_nlink == 1)
+        # renamed first: a removal cut short leaves no state that looks whole
+        doomed = root.with_name(f".removing-{build_id}")
+        os.rename(root, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        return size
+    finally:
+        for f in held:
+            f.close()
