@@ -454,6 +454,10 @@ def cmd_list(args) -> int:
     for name in names:
         live = store.alias(name).get("live") if name in published else None
         print(name if live else f"{name}  (not published)")
+        if live and live not in store.builds(name):  # servers cannot load it (outside QA: unsaid)
+            print(f"  ! {live}  MISSING: the alias names it as live, but it is gone; publish a "
+                  f"build listed here")
+            damaged += 1
         for b in store.builds(name):
             try:
                 d = store.descriptor(name, b)

@@ -4,6 +4,7 @@ naming the file."""
 import asyncio
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,15 @@ def test_list_shows_unpublished_builds_and_audit_defaults_to_the_newest(tmp_path
     listing = cli("list", "--data-dir", tmp_path)
     assert listing.returncode == 1 and "aa-newer" in listing.stdout
     assert f"zz-older  DAMAGED: release descriptor {damaged} is unreadable" in listing.stdout
+    # outside QA: an alias naming a build that is gone was listed as if nothing were wrong
+    shutil.rmtree(store.build_dir("waiting", "zz-older"))
+    store.publish("waiting", "aa-newer", require_audit=False)
+    assert cli("list", "--data-dir", tmp_path, "--collection", "waiting").returncode == 0
+    shutil.move(store.build_dir("waiting", "aa-newer"), tmp_path / "moved-away")
+    build_collection(cranfield_docs[:20], store, "waiting", tiny_embedder, "Flat", quiet=True,
+                     build_id="bb-other")
+    listing = cli("list", "--data-dir", tmp_path, "--collection", "waiting")
+    assert listing.returncode == 1 and "aa-newer  MISSING" in listing.stdout, listing.stdout
 
 
 def test_the_live_build_is_not_retuned_under_its_servers(built):
