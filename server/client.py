@@ -31,11 +31,25 @@ MODES = {"dense": pb.DENSE, "lexical": pb.LEXICAL, "hybrid": pb.HYBRID}
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
 
 
+# Searches a server answers UNAVAILABLE (it is draining for a restart, or starting) are tried
+# again by gRPC itself, up to 3 attempts in all, 0.1-1 s apart, within the call's deadline: a
+# rolling update of the servers behind one address is not an error to the caller. Writes are not
+# (a write answered UNAVAILABLE by a router may have been logged: the caller decides, see
+# WriteResponse); gRPC retries only calls the server answered without a reply's headers.
+_SEARCH_SERVICE = pb.DESCRIPTOR.services_by_name["SearchService"].full_name
+RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": _SEARCH_SERVICE, "method": m} for m in ("Search", "SearchBatch")],
+    "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s",
+                    "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})
+
+
 def open_channel(address: str, tls_ca: Optional[Path] = None, tls_cert: Optional[Path] = None,
                  tls_key: Optional[Path] = None, max_answer_bytes: int = MAX_ANSWER_BYTES) -> grpc.Channel:
-    """A channel to `address`: TLS when a CA (or a client certificate, for mutual TLS) is given."""
+    """A channel to `address`: TLS when a CA (or a client certificate, for mutual TLS) is given;
+    searches answered UNAVAILABLE are retried (RETRY_SERVICE_CONFIG)."""
     options = [("grpc.max_receive_message_length", max_answer_bytes),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.enable_retries", 1), ("grpc.service_config", RETRY_SERVICE_CONFIG)]
     if tls_ca or tls_cert:
         creds = grpc.ssl_channel_credentials(
             Path(tls_ca).read_bytes() if tls_ca else None,

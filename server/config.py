@@ -46,9 +46,13 @@ class ListenConfig:
                                       "the next N ports)",
                                       maximum=65535)
     log_level: str = opt("INFO", "logging level")
-    shutdown_grace_s: float = opt(5.0, "on SIGTERM: seconds in-flight calls get to finish (new calls "
-                                       "and calls still running after it are answered UNAVAILABLE, "
-                                       "which clients retry)")
+    shutdown_delay_s: float = opt(0.0, "on SIGTERM: seconds to go on answering new calls after "
+                                       "health turns NOT_SERVING, so that load balancers and "
+                                       "Kubernetes endpoints stop sending before calls are refused "
+                                       "(~5 s behind a Service; 0 = refuse at once)")
+    shutdown_grace_s: float = opt(5.0, "on SIGTERM, after --shutdown-delay-s: seconds in-flight "
+                                       "calls get to finish (new calls and calls still running "
+                                       "after it are answered UNAVAILABLE, which clients retry)")
     max_inflight: int = opt(256, "admission control: searches and batches beyond this many in "
                                  "flight get RESOURCE_EXHAUSTED at once (writes have a budget of "
                                  "this size of their own; a shard server counts routers' queries "

@@ -55,7 +55,8 @@ def run_serve(cfg: ServerConfig) -> None:
     core = SearchCore(cfg, embedder, reranker, device)
     core.load()
     app.run(app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
-                              cfg.listen.metrics_port, tls=tls, grace=cfg.listen.shutdown_grace_s),
+                              cfg.listen.metrics_port, tls=tls, grace=cfg.listen.shutdown_grace_s,
+                              delay=cfg.listen.shutdown_delay_s),
             cfg.listen.event_loop)
 
 
@@ -116,6 +117,7 @@ def run_router(cfg: ServerConfig) -> None:
         await connect_router(core, collection, replicas, policy, credentials=credentials, token=token)
         await app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
                                 cfg.listen.metrics_port, tls=tls, grace=cfg.listen.shutdown_grace_s,
+                                delay=cfg.listen.shutdown_delay_s,
                                 background=(follow_builds(core, collection),))
         if write_log is not None:
             await write_log.close()

@@ -637,6 +637,75 @@ def test_sigterm_answers_unadmitted_and_unfinished_calls_unavailable_never_cance
     assert grpc.StatusCode.UNAVAILABLE in codes  # the shutdown really cut calls short
 
 
+def test_sigterm_with_a_shutdown_delay_answers_on_while_health_says_not_serving(
+        crash_build, tiny_embedder_dir):
+    """Outside QA: on SIGTERM, health turned NOT_SERVING and new calls were refused within the
+    same 50 ms, before any load balancer could notice, so every rolling update failed calls.
+    With --shutdown-delay-s the server answers on for that long after the flip, then drains."""
+    import signal
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    srv = ServerProcess(crash_build, tiny_embedder_dir, None, "--shutdown-delay-s", "4")
+    try:
+        health = health_pb2_grpc.HealthStub(srv.channel)
+        req = pb.SearchRequest(collection="live", text="boundary layer", top_k=3)
+        assert srv.stub.Search(req, timeout=30).hits
+        srv.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        while health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status \
+                != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() - signalled < 3, "health never turned NOT_SERVING"
+        answered = 0
+        while time.monotonic() - signalled < 2:  # well inside the delay: every call answers
+            assert srv.stub.Search(req, timeout=10).hits
+            answered += 1
+        assert answered and srv.proc.poll() is None
+        assert srv.proc.wait(30) == 0
+        assert time.monotonic() - signalled >= 4  # it stopped only after the delay
+    finally:
+        srv.close()
+
+
+def test_the_client_retries_a_search_answered_unavailable(tmp_path):
+    """A server that drains answers UNAVAILABLE (retryable); the Python client tries the search
+    again itself (gRPC's retry policy, RETRY_SERVICE_CONFIG), so a restart behind one address is
+    not an error to the caller. Writes are not retried."""
+    from concurrent import futures
+
+    from server.client import SearchClient
+    from server.rpc import search_pb2_grpc
+
+    calls = {"Search": 0, "UpsertDocument": 0}
+
+    class Flaky(search_pb2_grpc.SearchServiceServicer):
+        def Search(self, request, context):
+            calls["Search"] += 1
+            if calls["Search"] == 1:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+            return pb.SearchResponse(build_id="b")
+
+        def UpsertDocument(self, request, context):
+            calls["UpsertDocument"] += 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    search_pb2_grpc.add_SearchServiceServicer_to_server(Flaky(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        client = SearchClient(f"127.0.0.1:{port}")
+        assert client.search("x", collection="c").build_id == "b" and calls["Search"] == 2
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.UpsertDocument(pb.UpsertDocumentRequest(collection="c", doc_id="d",
+                                                                 version=1, text="t"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and calls["UpsertDocument"] == 1
+        client.channel.close()
+    finally:
+        server.stop(0)
+
+
 def _write_and_search(data, embedder, writes, queries):
     """In process: apply `writes` (doc_id, text) through the write path, then return the doc ids
     of a dense search for each query text."""

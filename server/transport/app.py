@@ -123,12 +123,18 @@ class RunningServer:
         for name in ("",) + self.services:
             await self.health.set(name, status)
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Flip health to NOT_SERVING, answer new calls UNAVAILABLE, give in-flight calls `grace`
-        seconds (calls still running then are answered UNAVAILABLE), stop the listener, then
-        drain the batch queues and close the core."""
+    async def stop(self, grace: float = 5.0, delay: float = 0.0) -> None:
+        """Flip health to NOT_SERVING; go on answering for `delay` seconds (load balancers and
+        Kubernetes endpoints notice the flip only after a while, and until they do, calls keep
+        arriving: refused at once, every rolling update failed some - outside QA); then answer
+        new calls UNAVAILABLE, give in-flight calls `grace` seconds (calls still running then are
+        answered UNAVAILABLE), stop the listener, drain the batch queues and close the core."""
         for name in ("",) + self.services:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if delay > 0:
+            log.info("health is NOT_SERVING; answering new calls for %.1f s more "
+                     "(--shutdown-delay-s)", delay)
+            await asyncio.sleep(delay)
         late = await self.lifecycle.drain(grace)
         if late:
             log.warning("%d calls were still running after the %.1f s grace period: answered "
@@ -190,14 +196,15 @@ async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0,
     return running
 
 
-async def wait_for_signal_then_stop(running: RunningServer, grace: float = 5.0) -> None:
+async def wait_for_signal_then_stop(running: RunningServer, grace: float = 5.0,
+                                    delay: float = 0.0) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down: draining in-flight requests (grace %.1f s)", grace)
-    await running.stop(grace)
+    await running.stop(grace, delay)
 
 
 def start_metrics(host: str, metrics_port: Optional[int]) -> str:
@@ -219,7 +226,8 @@ def start_metrics(host: str, metrics_port: Optional[int]) -> str:
 async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: int,
                         metrics_port: Optional[int], ready_message: bool = True,
                         setup=None, tls: Optional[TLSConfig] = None,
-                        background: tuple = (), grace: float = 5.0, reuse_port: bool = False) -> None:
+                        background: tuple = (), grace: float = 5.0, reuse_port: bool = False,
+                        delay: float = 0.0) -> None:
     """`background`: coroutines, or coroutine functions, run for the server's life (alias
     watching, scheduled compaction, a router's build following)."""
     note = start_metrics(host, metrics_port)
@@ -234,7 +242,7 @@ async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: 
     tasks = [asyncio.get_running_loop().create_task(c() if callable(c) else c)
              for c in tuple(background) + tuple(core.background())]
     try:
-        await wait_for_signal_then_stop(running, grace)
+        await wait_for_signal_then_stop(running, grace, delay)
     finally:
         for t in tasks:
             t.cancel()

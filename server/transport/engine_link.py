@@ -448,7 +448,8 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
                     c.send_signal(signal.SIGTERM)
             for c in children:
                 try:
-                    await asyncio.wait_for(loop.run_in_executor(None, c.wait), cfg.listen.shutdown_grace_s + 10)
+                    await asyncio.wait_for(loop.run_in_executor(None, c.wait),
+                                           cfg.listen.shutdown_delay_s + cfg.listen.shutdown_grace_s + 10)
                 except asyncio.TimeoutError:
                     c.kill()
             for t in tasks:
@@ -566,7 +567,7 @@ def run_frontend(cfg: ServerConfig, device, engine_socket: str) -> None:
         await app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
                                 cfg.listen.metrics_port, ready_message=False, tls=tls,
                                 grace=cfg.listen.shutdown_grace_s, reuse_port=True,
-                                background=(announce_ready,))
+                                delay=cfg.listen.shutdown_delay_s, background=(announce_ready,))
         await core.engine.close()
         if core.engine.lost:
             raise SystemExit(3)  # the engine went away: not a clean stop

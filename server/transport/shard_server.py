@@ -251,7 +251,8 @@ async def serve_shard(cfg: ServerConfig, device: Device) -> None:
     print(f"shard server (shard {replica.shard_no} of {desc.collection}/{desc.build_id}) "
           f"listening on {cfg.listen.host}:{running.port}{note}{app.loop_note()}", flush=True)
     try:
-        await app.wait_for_signal_then_stop(running, cfg.listen.shutdown_grace_s)
+        await app.wait_for_signal_then_stop(running, cfg.listen.shutdown_grace_s,
+                                            cfg.listen.shutdown_delay_s)
     finally:
         for t in tasks:
             t.cancel()
