@@ -611,7 +611,8 @@ def test_dashboard_metrics_exist():
         missing = names - exported
         assert not missing, f"panel {title!r} queries {sorted(missing)}, not in server/core/metrics.py"
         used |= names
-    required = {"search_stage_seconds_bucket", "search_requests_total", "search_hedges_sent_total",
+    required = {"search_stage_seconds_bucket", "search_requests_total", "search_request_seconds_bucket",
+                "search_hedges_sent_total",
                 "search_hedges_won_total", "search_retries_total", "search_replica_ejections_total",
                 "search_shard_seconds_bucket", "search_engine_batch_size_bucket",
                 "search_engine_queue_seconds_bucket", "search_batch_size_bucket",

@@ -15,12 +15,18 @@ from prometheus_client import Counter, Gauge, Histogram
 LATENCY_BUCKETS = tuple(round(5e-5 * 1.25 ** i, 7) for i in range(64))
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 
-STAGE_SECONDS = Histogram("search_stage_seconds", "Latency of one stage of a request",
-                          ["stage"], buckets=LATENCY_BUCKETS)
+STAGE_SECONDS = Histogram("search_stage_seconds", "Latency of one stage of answered queries: "
+                          "per call for stages a request's queries run together (embed, "
+                          "term_stats, retrieve, fusion, feedback, lexical_feedback), per query "
+                          "for the others (dense, lexical, fetch, assembly, total; shard_dense "
+                          "and shard_lexical on shard servers); search_request_seconds counts "
+                          "every answer", ["stage"], buckets=LATENCY_BUCKETS)
 SHARD_SECONDS = Histogram("search_shard_seconds", "Latency of one shard call, per replica",
                           ["shard", "replica"], buckets=LATENCY_BUCKETS)
 REQUESTS = Counter("search_requests_total", "RPCs answered, by method and status code",
                    ["method", "code"])
+REQUEST_SECONDS = Histogram("search_request_seconds", "Time to answer an RPC, by method and status "
+                            "code (failures too)", ["method", "code"], buckets=LATENCY_BUCKETS)
 INFLIGHT = Gauge("search_inflight_requests", "Requests being served now")
 INFLIGHT_BATCHED_QUERIES = Gauge("search_inflight_batched_queries", "Queries of multi-query "
                                  "requests (SearchBatch, a router's shard message) being served now")

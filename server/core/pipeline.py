@@ -919,12 +919,17 @@ class QueryPipeline:
 
     @staticmethod
     def _lap(states: list[_Query], stage: str, t0: float) -> float:
+        """A stage the request's queries ran together: one sample per call (a SearchBatch's
+        embedding is one stage of one call), none when no query of it is still live."""
         now = time.perf_counter()
         ms = (now - t0) * 1e3
-        metrics.RECENT.observe(stage, ms / 1e3)
+        live = False
         for st in states:
             if st.live:
                 st.timings[stage] = ms
+                live = True
+        if live:
+            metrics.RECENT.observe(stage, ms / 1e3)
         return now
 
     @staticmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 
 import grpc
 
@@ -139,6 +140,15 @@ def boundary(method: str):
         async def handler(self, request, context):
             lifecycle: Lifecycle = self.lifecycle
             entered = None
+            t0 = time.perf_counter()
+
+            def count(code: str) -> None:
+                # every answer, failures too: a p99 of successes alone stays green in an outage
+                # (outside QA: 790 of 800 calls failed while the stage histograms held 11)
+                metrics.labelled(metrics.REQUESTS, method, code).inc()
+                metrics.labelled(metrics.REQUEST_SECONDS, method, code).observe(
+                    time.perf_counter() - t0)
+
             try:
                 entered = lifecycle.enter()
                 if isinstance(request, Malformed):
@@ -151,15 +161,14 @@ def boundary(method: str):
                     # the core's own DeadlineExceeded by a hair: count it by what happened.
                     remaining = context.time_remaining()
                     expired = remaining is not None and remaining <= 0
-                    metrics.labelled(metrics.REQUESTS, method,
-                                     "DEADLINE_EXCEEDED" if expired else "CANCELLED").inc()
+                    count("DEADLINE_EXCEEDED" if expired else "CANCELLED")
                     raise  # the client went away, or its deadline did
-                metrics.labelled(metrics.REQUESTS, method, "UNAVAILABLE").inc()
+                count("UNAVAILABLE")
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     "the server shut down before answering; retry")
             except errors.SearchError as exc:
                 code = status_for(exc)
-                metrics.labelled(metrics.REQUESTS, method, code.name).inc()
+                count(code.name)
                 await context.abort(code, str(exc))
             except grpc.aio.AbortError:
                 raise
@@ -167,13 +176,13 @@ def boundary(method: str):
                 raise
             except BaseException as exc:  # a bug (or a native library's panic): report
                 log.exception("unexpected error in %s", method)  # INTERNAL, keep serving
-                metrics.labelled(metrics.REQUESTS, method, "INTERNAL").inc()
+                count("INTERNAL")
                 await context.abort(grpc.StatusCode.INTERNAL,
                                     f"internal error in {method}: {type(exc).__name__}")
             finally:
                 if entered is not None:
                     lifecycle.leave(entered)
-            metrics.labelled(metrics.REQUESTS, method, "OK").inc()
+            count("OK")
             return response
 
         return handler

@@ -150,9 +150,9 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
                 out.results.add(code=status_for(r).value[0], message=str(r))
                 continue
             if r.dense_ms:  # the shard server's own per-stage histograms
-                metrics.RECENT.observe("dense", r.dense_ms / 1e3)
+                metrics.RECENT.observe("shard_dense", r.dense_ms / 1e3)
             if r.lexical_ms:
-                metrics.RECENT.observe("lexical", r.lexical_ms / 1e3)
+                metrics.RECENT.observe("shard_lexical", r.lexical_ms / 1e3)
             out.results.append(codec.shard_result_to_pb(r, request.queries[i].text_top_n))
         return out
 
