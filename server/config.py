@@ -217,6 +217,9 @@ class RouterConfig:
     hedge_burst: float = opt(10.0, "hedge tokens that can accumulate for a burst of slow calls")
     hedge_stall_ms: float = opt(1000.0, "a shard call with no answer this long is stalled: a second "
                                         "replica is tried even when the hedge budget is spent")
+    shards_wait_s: float = opt(30.0, "at start: how long to wait for a replica of the shards to "
+                                     "answer (shard servers loading a large build take minutes: "
+                                     "give that long, and a startup probe longer still)")
     shard_tls_ca: Optional[Path] = opt(None, "reach shards over TLS, trusting this CA")
     shard_tls_cert: Optional[Path] = opt(None, "client certificate for mutual TLS to shards")
     shard_tls_key: Optional[Path] = opt(None, "key of --shard-tls-cert")

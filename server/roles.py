@@ -114,7 +114,8 @@ def run_router(cfg: ServerConfig) -> None:
             await write_log.check_layout(len(replicas))
         core = SearchCore(cfg, embedder, reranker, device, write_log)
         holder["core"] = core
-        await connect_router(core, collection, replicas, policy, credentials=credentials, token=token)
+        await connect_router(core, collection, replicas, policy, cfg.router.shards_wait_s,
+                             credentials=credentials, token=token)
         await app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
                                 cfg.listen.metrics_port, tls=tls, grace=cfg.listen.shutdown_grace_s,
                                 delay=cfg.listen.shutdown_delay_s,

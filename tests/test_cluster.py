@@ -607,3 +607,22 @@ def test_a_stopped_replica_costs_no_query_its_deadline(three_shard_build, tiny_e
         b.stop()
     assert errors == [] and wrong == []
     assert sum(done) > 100 and replica_set.stats["ejections"] >= 1
+
+
+def test_a_router_waits_shards_wait_s_for_its_shards_and_says_so():
+    """Outside QA: a router started before its shards said nothing for 30 s and exited, while
+    shard servers may take many minutes to load a build (their startup probe allows 20). The
+    wait is --shards-wait-s now, and the refusal names it."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from harness.processes import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "server.main", "router", "--collection", "c",
+                          "--replicas", nobody, "--port", "0", "--shards-wait-s", "2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and time.monotonic() - t0 < 60
+    assert "no shard replica answered ShardInfo within 2 s (--shards-wait-s)" in out.stderr, out.stderr

@@ -77,7 +77,20 @@ async def connect_router(core: SearchCore, collection: str, shard_replicas: Sequ
     sets = [ReplicaSet(n, [RemoteShard(a, n, credentials, token) for a in addresses], policy)
             for n, addresses in enumerate(shard_replicas)]
     failures: list[str] = []
-    infos = await _read_infos(sets, timeout, wait=True, failures=failures)
+
+    async def say_what_it_waits_for() -> None:  # (outside QA: 30 s of silence, then an exit)
+        waited = 0
+        while True:
+            await asyncio.sleep(15)
+            waited += 15
+            log.info("waiting for the shard replicas to answer (%d s of --shards-wait-s %g)",
+                     waited, timeout)
+
+    waiting = asyncio.get_running_loop().create_task(say_what_it_waits_for())
+    try:
+        infos = await _read_infos(sets, timeout, wait=True, failures=failures)
+    finally:
+        waiting.cancel()
     for n, shard in enumerate(infos):
         for info in shard:
             if info is not None and (info.shard_no != n or info.collection != collection):
@@ -86,7 +99,8 @@ async def connect_router(core: SearchCore, collection: str, shard_replicas: Sequ
                                          f"of {collection!r}")
     desc = _choose_build(infos)
     if desc is None:  # say why: a wrong --shard-token-file read as "no replica answered"
-        raise Unavailable("no shard replica answered ShardInfo: " + "; ".join(failures[:4]))
+        raise Unavailable(f"no shard replica answered ShardInfo within {timeout:g} s "
+                          f"(--shards-wait-s): " + "; ".join(failures[:4]))
     if desc.shards != len(sets):
         raise FailedPrecondition(f"build {desc.build_id} has {desc.shards} shards; the topology "
                                  f"lists {len(sets)}")
