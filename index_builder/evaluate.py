@@ -227,6 +227,14 @@ def run_eval(args) -> int:
         print(f"unknown modes {unknown}; use {sorted(MODES)}", file=sys.stderr)
         return 2
     compare = [tuple(c.split(":")) for c in (args.compare or "").split(",") if c]
+    if getattr(args, "plots", None):  # before the evaluation, not after it (outside QA)
+        import importlib.util
+
+        missing = [m for m in ("matplotlib", "harness") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(f"--plots needs matplotlib (the bench extra) and the source "
+                             f"checkout's harness/ package, which the images leave out "
+                             f"(missing: {', '.join(missing)})")
     server = _serve(args.serve_from, datasets) if args.serve_from else None
     address = server.address if server else args.address
     top_k = min(limits.MAX_TOP_K, args.depth * 2)

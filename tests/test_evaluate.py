@@ -97,3 +97,20 @@ def test_eval_rebuilds_a_collection_built_from_another_corpus_chunker_or_embedde
     store.write_descriptor(dataclasses.replace(desc, chunker="words-160-32/v3"))
     why = _stale_build(store, "cran", tiny_embedder.model_id)
     assert "words-160-32/v3" in why and CHUNKER_VERSION in why
+
+
+def test_eval_plots_without_their_packages_fail_before_the_evaluation(monkeypatch, tmp_path):
+    """Outside QA: in the images (no harness/, no matplotlib) `eval --plots` failed with an
+    ImportError after the whole evaluation had run. It is refused first, naming what is missing."""
+    import importlib.util
+
+    from index_builder.cli import build_parser
+    from index_builder.evaluate import run_eval
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "harness" else real(name, *a))
+    args = build_parser().parse_args(["eval", "--dataset", str(tmp_path), "--plots",
+                                      str(tmp_path / "plots"), "--address", "127.0.0.1:1"])
+    with pytest.raises(ValueError, match=r"--plots needs matplotlib .* \(missing: harness\)"):
+        run_eval(args)

@@ -129,7 +129,11 @@ class Device:
                       else f"faiss_sees={self.faiss_seen}")
         if self._faiss_unusable:
             faiss_part += f" (faiss GPU unusable: {self._faiss_unusable})"
-        return f"{faiss_part} torch={self.torch_device}"
+        import importlib.util
+
+        # the shard image has no torch: say so rather than "torch=cpu" (outside QA)
+        torch = self.torch_device if importlib.util.find_spec("torch") is not None else "absent"
+        return f"{faiss_part} torch={torch}"
 
     def gpu_resources(self, gpu: int):
         """One faiss StandardGpuResources per GPU, shared by the shards placed on it (each one
