@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(pr)
     pr.add_argument("--keep", type=int, default=2,
                     help="the newest builds kept besides those (default: 2; 0 keeps only those)")
+    pr.add_argument("--grace-s", type=float, default=600.0,
+                    help="also keep builds that left the alias (live or rollback target) less "
+                         "than this long ago: a server that has not followed yet still reads "
+                         "their files (default: 600)")
     pr.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
 
     ev = sub.add_parser("eval", help="evaluate BEIR datasets through the service")
@@ -454,10 +458,12 @@ def cmd_list(args) -> int:
     for name in names:
         live = store.alias(name).get("live") if name in published else None
         print(name if live else f"{name}  (not published)")
-        if live and live not in store.builds(name):  # servers cannot load it (outside QA: unsaid)
-            print(f"  ! {live}  MISSING: the alias names it as live, but it is gone; publish a "
-                  f"build listed here")
-            damaged += 1
+        alias = store.alias(name) if live else {}
+        for role, b in (("live", live), ("the rollback target", alias.get("previous"))):
+            if b and b not in store.builds(name):  # (outside QA: a gone live build was unsaid)
+                print(f"  ! {b}  MISSING: the alias names it as {role}, but it is gone"
+                      + ("; publish a build listed here" if role == "live" else ""))
+                damaged += 1
         for b in store.builds(name):
             try:
                 d = store.descriptor(name, b)
@@ -476,13 +482,17 @@ def cmd_list(args) -> int:
 def cmd_prune(args) -> int:
     from server.core.collection import CollectionStore
 
-    if args.keep < 0:
-        raise ValueError(f"--keep must be 0 or more, not {args.keep}")
+    if args.keep < 0 or args.grace_s < 0:
+        raise ValueError(f"--keep and --grace-s must be 0 or more, not {args.keep} and "
+                         f"{args.grace_s:g}")
     store = CollectionStore(args.data_dir)
     if not store.builds(args.collection):
         print(f"collection {args.collection!r} has no builds under {args.data_dir}", file=sys.stderr)
         return 2
-    plan = store.retention(args.collection, args.keep)
+    if args.collection not in store.collections():
+        raise ValueError(f"collection {args.collection!r} has never been published: nothing "
+                         f"decides what to keep yet (remove an unwanted build by hand)")
+    plan = store.retention(args.collection, args.keep, args.grace_s)
     freed, removed = 0, 0
     for build_id, kept, why in plan:
         if kept:

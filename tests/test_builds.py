@@ -327,6 +327,42 @@ def test_a_corpus_build_published_after_compactions_gets_every_earlier_write(two
         srv.stop()
 
 
+def test_pruned_builds_a_server_still_serves_keep_their_lineage_and_writes(two_builds, tiny_embedder,
+                                                                          cranfield_docs):
+    """Review: a server still on a compacted build (its switch failed, or it has not polled) while
+    the alias moved on twice, and that build and its sources pruned: the state sweep kept the
+    served build's own state but removed its sources', whose logs the next switch replays - the
+    writes made before the compactions were lost. The served build's lineage is kept, and the
+    switch replays all of it from the states."""
+    from index_builder.build import audit_build, build_collection
+
+    store, a, b = two_builds
+    srv = start_core_server(store.data_dir, tiny_embedder, pipeline={"retrieval_cache_size": 0})
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub, admin = pb_grpc.SearchServiceStub(ch), pb_grpc.AdminServiceStub(ch)
+            first, second = _writes_across_two_compactions(stub, admin)
+            audit_build(store, "c", b.build_id)
+            c = build_collection(docs("c", cranfield_docs[160:], 40), store, "c", tiny_embedder,
+                                 "Flat", quiet=True)
+            audit_build(store, "c", c.build_id)
+            store.publish("c", b.build_id)
+            store.publish("c", c.build_id)  # the server has not followed: it serves `second`
+            for gone in (second, first, a.build_id):
+                store.remove_build("c", gone)
+            assert srv.core.builds.unused_states("c") == []
+            run(srv, srv.core.builds.remove_unused_states("c"))
+            state = srv.core.config.storage.resolved_state_dir() / "c"
+            assert all((state / x).is_dir() for x in (a.build_id, first, second))
+            run(srv, srv.core.switch_build("c"))
+            assert _lineage_answer(stub) == (c.build_id, LINEAGE_WANT)
+            # once C holds them, and nothing serves or replays from them, they go
+            assert srv.core.builds.unused_states("c", {c.build_id}) == sorted(
+                [a.build_id, first, second])
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("descriptor_copy", [True, False])
 def test_two_publishes_while_the_server_is_down_keep_every_write(two_builds, tiny_embedder,
                                                                  cranfield_docs, descriptor_copy):

@@ -92,6 +92,10 @@ def test_list_shows_unpublished_builds_and_audit_defaults_to_the_newest(tmp_path
                      build_id="bb-other")
     listing = cli("list", "--data-dir", tmp_path, "--collection", "waiting")
     assert listing.returncode == 1 and "aa-newer  MISSING" in listing.stdout, listing.stdout
+    store.publish("waiting", "bb-other", require_audit=False)  # the gone build is now previous
+    listing = cli("list", "--data-dir", tmp_path, "--collection", "waiting")
+    assert listing.returncode == 1, listing.stdout
+    assert "aa-newer  MISSING: the alias names it as the rollback target" in listing.stdout
 
 
 def test_the_live_build_is_not_retuned_under_its_servers(built):
@@ -631,14 +635,23 @@ def test_prune_removes_old_builds_and_a_following_server_removes_their_state(tmp
                                         tiny_embedder))
             serves(builds[-1].build_id)
         assert (state / "c" / first.build_id).is_dir()
-        out = cli("prune", "--data-dir", tmp_path, "--collection", "c", "--keep", 0, "--dry-run")
+        # a build that left the alias moments ago stays (a lagging server may still read it)
+        out = cli("prune", "--data-dir", tmp_path, "--collection", "c", "--keep", 0)
+        assert out.returncode == 0, out.stderr
+        assert f"keep    {first.build_id}  (left the alias 0 min ago (--grace-s 600))" in out.stdout
+        assert "0 of 3 builds removed" in out.stdout
+        out = cli("prune", "--data-dir", tmp_path, "--collection", "c", "--keep", 0, "--grace-s", 0,
+                  "--dry-run")
         assert out.returncode == 0, out.stderr
         assert f"would remove {first.build_id}" in out.stdout
         assert f"keep    {builds[2].build_id}  (the live build)" in out.stdout
         assert f"keep    {builds[1].build_id}  (the rollback target)" in out.stdout
         assert (tmp_path / "c" / "builds" / first.build_id).is_dir()  # a dry run removes nothing
-        out = cli("prune", "--data-dir", tmp_path, "--collection", "c", "--keep", 0)
+        (tmp_path / "c" / "builds" / ".tmp-being-built").mkdir()  # a build being written
+        (tmp_path / "c" / "builds" / ".tmp-being-built" / "release.json").write_text("{}")
+        out = cli("prune", "--data-dir", tmp_path, "--collection", "c", "--keep", 0, "--grace-s", 0)
         assert out.returncode == 0 and f"removed {first.build_id}" in out.stdout, out.stderr
+        assert (tmp_path / "c" / "builds" / ".tmp-being-built").is_dir()  # not its to touch
         assert "1 of 3 builds removed" in out.stdout
         assert not (tmp_path / "c" / "builds" / first.build_id).exists()
         # the server retired the first build a moment ago (its shards stay open for requests
@@ -654,7 +667,7 @@ def test_prune_removes_old_builds_and_a_following_server_removes_their_state(tmp
         assert all((state / "c" / b.build_id).is_dir() for b in builds[1:])
         assert client.search("flow", collection="c").hits  # serving on, untouched
         out = cli("prune", "--data-dir", tmp_path, "--collection", "c", "--keep", -1)
-        assert out.returncode == 2 and "--keep must be 0 or more" in out.stderr
+        assert out.returncode == 2 and "--keep and --grace-s must be 0 or more" in out.stderr
         client.channel.close()
     finally:
         srv.stop()

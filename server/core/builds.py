@@ -471,15 +471,26 @@ class BuildManager:
             for name in self.registry.names():  # pruned builds' states: not kept for ever
                 try:
                     await self.remove_unused_states(name)
-                except (OSError, SearchError) as exc:
-                    log.warning("%s: could not remove unused build states: %s", name, exc)
+                except Exception as exc:  # never the end of alias following
+                    log.warning("%s: could not remove unused build states: %s: %s", name,
+                                type(exc).__name__, exc)
 
-    def unused_states(self, name: str) -> list[str]:
+    def _served_heads(self, name: str) -> set:
+        """(On the loop) the builds this server serves or may replay from: the one served, those
+        retired moments ago, and the one this state last served."""
+        heads = {self._last_served(name), *(b for n, b in self._retired if n == name)}
+        if name in self.registry.names():
+            heads.add(self.registry.get(name).desc.build_id)
+        return heads
+
+    def unused_states(self, name: str, heads: Optional[set] = None) -> list[str]:
         """Builds of `name` whose state here nothing can use any more: the build is gone from
-        the data directory (pruned), and it is not the build served, one retired moments ago,
-        the build this state last served, or in the compaction lineage of the live or previous
-        build (whose logs a publish or rollback replays). Nothing when the data directory does
-        not hold the live build (a volume not mounted must not read as every build pruned)."""
+        the data directory (pruned), and it is neither one of `heads` (`_served_heads`), the live
+        build or its rollback target, nor in the compaction lineage of any of those (whose logs a
+        switch, publish or rollback replays - review: a server still on a compacted build whose
+        switch failed lost its source's state, and with it the source's writes). Nothing when
+        the data directory does not hold the live build (a volume not mounted must not read as
+        every build pruned). Blocking: reads descriptors."""
         root = self.state_root / name
         try:
             alias = self.store.alias(name)
@@ -488,37 +499,58 @@ class BuildManager:
             return []
         if not root.is_dir() or alias.get("live") not in builds:
             return []
-        needed = {self._last_served(name), *(b for n, b in self._retired if n == name)}
-        if name in self.registry.names():
-            needed.add(self.registry.get(name).desc.build_id)
-        for head in (alias.get("live"), alias.get("previous")):
+        heads = set(self._served_heads(name) if heads is None else heads)
+        heads |= {alias.get("live"), alias.get("previous")}
+        needed = set()
+        for head in heads:
             if head and self._known(name, head):
+                needed.add(head)
                 needed.update(self.lineage(name, head))
         return sorted(d.name for d in root.iterdir()
                       if d.is_dir() and not d.name.startswith(".") and d.name not in builds
                       and d.name not in needed)
 
+    def _keep_descriptor_copies(self, name: str) -> None:
+        """Blocking: a copy of its build's descriptor beside every state here whose build is
+        still there (states made before states kept one: a later prune would otherwise cut the
+        lineage its writes are replayed through)."""
+        root = self.state_root / name
+        if not root.is_dir():
+            return
+        builds = set(self.store.builds(name))
+        for d in root.iterdir():
+            if d.name in builds and not (d / DESCRIPTOR_COPY).is_file():
+                keep_descriptor(self.state_root, name, d.name,
+                                self.store.descriptor(name, d.name).to_json())
+
     async def remove_unused_states(self, name: str) -> None:
-        """Remove the states `unused_states` names (off the loop: a state holds a copy of its
-        shard's documents), each unless a process has it open; and what a removal cut short
-        left behind. Looked at again only when the builds, the alias or the build served
-        change (not at every poll)."""
+        """Remove the states `unused_states` names (off the loop: reading descriptors, and a
+        state holds a copy of its shard's documents), each unless a process has it open; and
+        what a removal cut short left behind. Looked at again only when the builds, the alias
+        or the builds this server serves change (not at every poll), until a pass completes."""
         try:
             seen = (frozenset(self.store.builds(name)), tuple(self.store.alias(name).items()),
-                    self.registry.get(name).desc.build_id, frozenset(self._retired))
+                    frozenset(self._served_heads(name)))
         except (SearchError, OSError, ValueError):
             return
         if self._states_seen.get(name) == seen:
             return
-        self._states_seen[name] = seen
         loop = asyncio.get_running_loop()
-        for build_id in self.unused_states(name):
-            freed = await loop.run_in_executor(None, remove_state, self.state_root, name, build_id)
+        await loop.run_in_executor(None, self._keep_descriptor_copies, name)
+        for build_id in await loop.run_in_executor(None, self.unused_states, name,
+                                                   self._served_heads(name)):
+            try:
+                freed = await loop.run_in_executor(None, remove_state, self.state_root, name,
+                                                   build_id)
+            except OSError as exc:  # the others still go; this one when something changes
+                log.warning("%s: could not remove the state of build %s: %s", name, build_id, exc)
+                continue
             if freed is not None:
                 log.info("%s: removed the state of build %s (%.1f MB), whose build is gone",
                          name, build_id, freed / 1e6)
         for leftover in (self.state_root / name).glob(".removing-*"):
             await loop.run_in_executor(None, shutil.rmtree, leftover, True)
+        self._states_seen[name] = seen
 
     async def _load_new_collections(self) -> None:
         """Serve collections published since the start, and those whose build failed to load

@@ -212,8 +212,12 @@ class CollectionStore:
                                                      and self.builds(p.name)))
 
     def builds(self, name: str) -> list[str]:
+        """The finished builds: not a staging directory (`.tmp-*`: a build or compaction being
+        written, or a removal cut short), which holds a descriptor too (review: prune failed on
+        one)."""
         d = self.collection_dir(name) / "builds"
-        return sorted(p.name for p in d.iterdir() if (p / DESCRIPTOR).is_file()) if d.is_dir() else []
+        return sorted(p.name for p in d.iterdir()
+                      if NAME.match(p.name) and (p / DESCRIPTOR).is_file()) if d.is_dir() else []
 
     def alias(self, name: str) -> dict:
         path = self.collection_dir(name) / "ALIAS"
@@ -393,18 +397,32 @@ class CollectionStore:
                                f"not published")
             # publishing the live build again keeps its rollback target (outside QA: it was lost)
             alias = {"live": build_id, "previous": previous if previous != build_id else before}
+            # when each build left live/previous: prune keeps one a lagging server may still read
+            left = dict(current.get("left", {})) if alias_path.is_file() else {}
+            for b in (previous, before):
+                if b and b not in alias.values():
+                    left[b] = time.time()
+            for b in alias.values():
+                left.pop(b, None)
+            if left:
+                alias["left"] = dict(sorted(left.items(), key=lambda kv: kv[1])[-32:])
             atomic_write(alias_path, json.dumps(alias))
         return alias
 
     # --- retention -----------------------------------------------------------------------------
-    def retention(self, name: str, keep: int) -> list[tuple[str, bool, str]]:
+    def retention(self, name: str, keep: int, grace_s: float = 0.0,
+                  now: Optional[float] = None) -> list[tuple[str, bool, str]]:
         """Which builds of `name` to keep, and why: (build id, kept, reason), newest first. Kept:
         the live build and its rollback target (`previous`), the builds either was compacted
         from (their write logs are what a later publish or rollback replays: a compacted
-        build's base holds its source's writes, its own log does not), and the `keep` newest
-        builds (one just made and not yet published among them). A build whose descriptor
-        cannot be read is kept (it may be one an operator is repairing)."""
+        build's base holds its source's writes, its own log does not), the `keep` newest builds
+        (one just made and not yet published among them), and those that left the alias less
+        than `grace_s` ago (a server that has not followed yet still reads its files: the exact
+        vectors are memory-mapped from the build). A build whose descriptor cannot be read is
+        kept (it may be one an operator is repairing)."""
         alias = self.alias(name)
+        now = time.time() if now is None else now
+        left = alias.get("left", {})
         heads = {"the live build": alias.get("live"), "the rollback target": alias.get("previous")}
         made: dict[str, float] = {}
         damaged = set()
@@ -422,6 +440,10 @@ class CollectionStore:
                 source = self.descriptor(name, source).compacted_from
         for b in sorted(made, key=lambda b: (made[b], b), reverse=True)[:max(0, keep)]:
             why.setdefault(b, f"one of the {keep} newest")
+        for b, when in left.items():
+            if b in made and now - float(when) < grace_s:
+                why.setdefault(b, f"left the alias {(now - float(when)) / 60:.0f} min ago "
+                                  f"(--grace-s {grace_s:g})")
         for b in damaged:
             why[b] = "its descriptor is unreadable"
         order = sorted(made, key=lambda b: (made[b], b), reverse=True) + sorted(damaged)
@@ -433,16 +455,16 @@ class CollectionStore:
         Renamed to a staging name first, so a removal cut short is swept, never half served.
         Returns the bytes freed."""
         path = self.build_dir(name, build_id)
+        size = sum(st.st_size for st in (p.lstat() for p in path.rglob("*"))
+                   if stat.S_ISREG(st.st_mode))  # before the lock: publishers wait on it
         with open(self.collection_dir(name) / ".ALIAS.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             alias = self.alias(name)
             if build_id in (alias.get("live"), alias.get("previous")):
                 raise FailedPrecondition(f"build {build_id} of {name!r} is the live build or its "
                                          f"rollback target; not removed")
-            size = sum(st.st_size for st in (p.lstat() for p in path.rglob("*"))
-                       if stat.S_ISREG(st.st_mode))
             doomed = path.parent / f".tmp-pruned-{build_id}"
             os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        shutil.rmtree(doomed)  # an error says so (the staging name is swept later)
         return size
 

@@ -198,13 +198,15 @@ async def start_shard_server(shard, host: str = "127.0.0.1", port: int = 0,
 
 async def wait_for_signal_then_stop(running: RunningServer, grace: float = 5.0,
                                     delay: float = 0.0) -> None:
+    """SIGTERM (an orchestrator's) stops after `delay`; SIGINT (Ctrl-C) without it."""
     stop = asyncio.Event()
+    received: list[int] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda s=sig: (received.append(s), stop.set()))
     await stop.wait()
     log.info("shutting down: draining in-flight requests (grace %.1f s)", grace)
-    await running.stop(grace, delay)
+    await running.stop(grace, delay if received[0] == signal.SIGTERM else 0.0)
 
 
 def start_metrics(host: str, metrics_port: Optional[int]) -> str:

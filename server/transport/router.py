@@ -51,7 +51,14 @@ async def _read_infos(sets: Sequence[ReplicaSet], timeout: float, wait: bool,
                 failures.append(str(exc) if str(exc).startswith(where) else f"{where}: {exc}")
             return None  # a replica that is down now is used once it is back
 
-    return [await asyncio.gather(*(one(r) for r in rs.replicas)) for rs in sets]
+    # every replica of every shard at once: one wait bounds them all (review: one shard after
+    # another made a start wait shards x --shards-wait-s)
+    flat = await asyncio.gather(*(one(r) for rs in sets for r in rs.replicas))
+    out, i = [], 0
+    for rs in sets:
+        out.append(list(flat[i:i + len(rs.replicas)]))
+        i += len(rs.replicas)
+    return out
 
 
 def _choose_build(infos: list[list]) -> Optional[ReleaseDescriptor]:

@@ -101,7 +101,10 @@ class ShardReplica:
         refused, live, unfollowable = None, None, None
         while True:
             await asyncio.sleep(interval)
-            await self._remove_unused_states()
+            try:
+                await self._remove_unused_states()
+            except Exception as exc:  # never the end of alias following (review)
+                log.warning("could not remove unused build states: %s: %s", type(exc).__name__, exc)
             try:
                 live = self.store.live_build(self.collection)
                 if live != unfollowable:
