@@ -145,7 +145,17 @@ def test_a_killed_engine_stops_every_front_end_and_no_search_hangs(small_collect
     assert sweep_socket_dirs() and not any(p.exists() for p in left)
 
 
-def test_the_socket_directories_of_dead_engines_are_swept_and_no_others(tmp_path):
+def test_the_socket_directories_of_dead_engines_are_swept_and_no_others():
+    import shutil
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="sw", dir="/tmp"))  # a Unix socket path is short
+    try:
+        _sweep_socket_dirs_in(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _sweep_socket_dirs_in(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     dead = tmp_path / f"search-engine-{int(done.stdout)}-abc"
@@ -154,8 +164,16 @@ def test_the_socket_directories_of_dead_engines_are_swept_and_no_others(tmp_path
     for d in (dead, alive, other):
         d.mkdir()
         (d / "engine.sock").write_text("")
-    assert sweep_socket_dirs(str(tmp_path)) == [str(dead)]
-    assert not dead.exists() and alive.exists() and other.exists()
+    # a pid this namespace does not know, whose socket answers: another container's engine
+    listening = tmp_path / f"search-engine-{int(done.stdout)}-ghi"
+    listening.mkdir()
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(listening / "engine.sock"))
+        server.listen(1)
+        assert sweep_socket_dirs(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and alive.exists() and other.exists() and listening.exists()
 
 
 def engine_metric(metrics_port: int, name: str, **labels) -> float:

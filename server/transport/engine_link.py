@@ -485,12 +485,25 @@ def sweep_socket_dirs(tmp: Optional[str] = None) -> list[str]:
             if not pid.isdigit() or entry.is_symlink() or entry.stat().st_uid != os.getuid():
                 continue
             os.kill(int(pid), 0)
-        except ProcessLookupError:  # its engine is gone
+        except ProcessLookupError:  # its engine is gone - unless the pid is another PID
+            if _listening(entry / "engine.sock"):  # namespace's (a /tmp shared by containers)
+                continue
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(str(entry))
         except OSError:  # gone meanwhile, or a pid of another user's (alive): not ours to remove
             continue
     return removed
+
+
+def _listening(path: Path) -> bool:
+    """Whether an engine answers on this Unix socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+            return True
+        except OSError:
+            return False
 
 
 def _frontend_args(argv: list[str], port: int) -> list[str]:
