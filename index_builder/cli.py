@@ -254,6 +254,22 @@ def vectors_of_records(vectors, docs: list, tally: dict):
     return vectors[rows] if rows else vectors[:0]
 
 
+def _check_build_id_unused(store, name: str, build_id: str, state_root: Path) -> None:
+    """A build id names one build for ever: servers keep their state (and its writes) by it, so
+    one reused after a prune would meet the earlier build's state (re-probe). Refused when the
+    alias remembers it or the default state directory holds it."""
+    from server.errors import NotFound
+
+    try:
+        alias = store.alias(name)
+    except NotFound:
+        alias = {}
+    named = {alias.get("live"), alias.get("previous"), *alias.get("left", {})}
+    if build_id in named or (state_root / name / build_id).exists():
+        raise ValueError(f"build id {build_id!r} was used before in {name!r} (servers may hold a "
+                         f"state of that build): choose another --build-id")
+
+
 def cmd_build(args) -> int:
     from itertools import chain, islice
 
@@ -264,6 +280,9 @@ def cmd_build(args) -> int:
     from server.core.collection import CollectionStore
 
     store = CollectionStore(args.data_dir)
+    if args.build_id:
+        _check_build_id_unused(store, args.collection, args.build_id,
+                               Path(args.data_dir) / ".state")
     tally: dict = {}
     docs = read_corpus(args.corpus, args.tenant, tally)
     if args.limit:
@@ -492,6 +511,12 @@ def cmd_prune(args) -> int:
     if args.collection not in store.collections():
         raise ValueError(f"collection {args.collection!r} has never been published: nothing "
                          f"decides what to keep yet (remove an unwanted build by hand)")
+    alias, builds = store.alias(args.collection), store.builds(args.collection)
+    if alias.get("live") not in builds:  # (re-probe: it pruned the build to publish next)
+        raise ValueError(f"the alias names live build {alias.get('live')}, which is gone: "
+                         f"publish a build first (index-builder list)")
+    if alias.get("previous") and alias["previous"] not in builds:
+        print(f"warning: the rollback target {alias['previous']} is gone", file=sys.stderr)
     plan = store.retention(args.collection, args.keep, args.grace_s)
     freed, removed = 0, 0
     for build_id, kept, why in plan:

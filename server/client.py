@@ -33,7 +33,9 @@ MAX_ANSWER_BYTES = 64 * 1024 * 1024
 
 # Searches a server answers UNAVAILABLE (it is draining for a restart, or starting) are tried
 # again by gRPC itself, up to 3 attempts in all, 0.1-1 s apart, within the call's deadline: a
-# rolling update of the servers behind one address is not an error to the caller. Writes are not
+# rolling update of several servers behind one address (a Service, a load balancer) is not an
+# error to the caller. A lone server restarting is down for its restart (seconds), longer than
+# these retries wait: a caller that must ride that out retries itself. Writes are not
 # (a write answered UNAVAILABLE by a router may have been logged: the caller decides, see
 # WriteResponse); gRPC retries only calls the server answered without a reply's headers.
 _SEARCH_SERVICE = pb.DESCRIPTOR.services_by_name["SearchService"].full_name

@@ -303,8 +303,8 @@ def test_a_corpus_build_published_after_compactions_gets_every_earlier_write(two
             # rollback past it replays) ...
             kept = {x: why for x, k, why in store.retention("c", 0) if k}
             assert kept == {b.build_id: "the live build", second: "the rollback target",
-                            first: "compacted into the rollback target",
-                            a.build_id: "compacted into the rollback target"}
+                            first: f"{second} (the rollback target) was compacted from it",
+                            a.build_id: f"{second} (the rollback target) was compacted from it"}
             # ... until a later publish leaves it behind: then it goes, and nothing served moves
             c = build_collection(docs("c", cranfield_docs[160:], 40), store, "c", tiny_embedder,
                                  "Flat", quiet=True)
@@ -312,6 +312,10 @@ def test_a_corpus_build_published_after_compactions_gets_every_earlier_write(two
             store.publish("c", c.build_id)
             run(srv, srv.core.switch_build("c"))
             assert _lineage_answer(stub) == (c.build_id, LINEAGE_WANT)
+            # a build kept for any reason keeps its sources: kept as one of the newest, the
+            # compacted build may be published again (re-probe: its source was pruned, and
+            # publishing it then lost the source's writes)
+            assert [x for x, k, _ in store.retention("c", 2) if not k] == []
             plan = store.retention("c", 0)
             assert [x for x, k, _ in plan if not k] == [second, first, a.build_id]
             for x in (second, first, a.build_id):
@@ -359,6 +363,18 @@ def test_pruned_builds_a_server_still_serves_keep_their_lineage_and_writes(two_b
             # once C holds them, and nothing serves or replays from them, they go
             assert srv.core.builds.unused_states("c", {c.build_id}) == sorted(
                 [a.build_id, first, second])
+            # a build still there keeps the states of the builds it was compacted from, even
+            # when it is neither served nor live nor previous: it may be published again
+            c1 = admin.Compact(pb.CompactRequest(collection="c"), timeout=300).build_id
+            e = build_collection(docs("e", cranfield_docs[200:], 20), store, "c", tiny_embedder,
+                                 "Flat", quiet=True)
+            audit_build(store, "c", e.build_id)
+            store.publish("c", b.build_id)
+            store.publish("c", e.build_id)  # live e, previous b: c1 is neither
+            store.remove_build("c", c.build_id)
+            assert c.build_id not in srv.core.builds.unused_states("c", {e.build_id})
+            store.remove_build("c", c1)
+            assert {c.build_id, c1} <= set(srv.core.builds.unused_states("c", {e.build_id}))
     finally:
         srv.stop()
 
@@ -981,3 +997,35 @@ def test_a_switch_whose_caller_goes_away_still_completes(two_builds, tiny_embedd
     finally:
         release.set()
         srv.stop()
+
+
+def test_a_build_id_reused_after_a_prune_is_refused_not_served_over_the_earlier_state(
+        tmp_path, tiny_embedder, cranfield_docs, capsys):
+    """Re-probe: a build pruned and built again under the same id met the earlier build's state
+    (its rows and writes) and failed to load with "rows added after the build lack their
+    vectors". The builder refuses an id used before, and a server refuses, by name, a state made
+    for an earlier build of that id."""
+    import shutil
+
+    from conftest import publish_build
+    from index_builder.cli import main as builder_main
+    from server.errors import IndexCorruptError
+
+    publish_build(tmp_path, "c", cranfield_docs[:20], tiny_embedder, build_id="same")
+    srv = start_core_server(tmp_path, tiny_embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            pb_grpc.SearchServiceStub(ch).UpsertDocument(pb.UpsertDocumentRequest(
+                collection="c", doc_id="w", version=1, text="zyxwritten"), timeout=30)
+    finally:
+        srv.stop()
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "1", "text": "one"}\n')
+    with pytest.raises(SystemExit) as exit_:
+        builder_main(["build", "--data-dir", str(tmp_path), "--collection", "c", "--corpus",
+                      str(corpus), "--build-id", "same", "--model-id", "m"])
+    assert exit_.value.code == 2 and "build id 'same' was used before" in capsys.readouterr().err
+    shutil.rmtree(tmp_path / "c" / "builds" / "same")  # by hand, then built again (the API
+    publish_build(tmp_path, "c", cranfield_docs[20:40], tiny_embedder, build_id="same")  # allows it)
+    with pytest.raises(IndexCorruptError, match="belongs to an earlier build also named same"):
+        start_core_server(tmp_path, tiny_embedder)

@@ -92,6 +92,11 @@ def test_list_shows_unpublished_builds_and_audit_defaults_to_the_newest(tmp_path
                      build_id="bb-other")
     listing = cli("list", "--data-dir", tmp_path, "--collection", "waiting")
     assert listing.returncode == 1 and "aa-newer  MISSING" in listing.stdout, listing.stdout
+    # prune does not go on as if nothing were wrong (re-probe: it removed the build to publish)
+    out = cli("prune", "--data-dir", tmp_path, "--collection", "waiting", "--keep", 0,
+              "--grace-s", 0)
+    assert out.returncode == 2 and "live build aa-newer, which is gone" in out.stderr
+    assert store.builds("waiting") == ["bb-other"]
     store.publish("waiting", "bb-other", require_audit=False)  # the gone build is now previous
     listing = cli("list", "--data-dir", tmp_path, "--collection", "waiting")
     assert listing.returncode == 1, listing.stdout
@@ -635,7 +640,14 @@ def test_prune_removes_old_builds_and_a_following_server_removes_their_state(tmp
                                         tiny_embedder))
             serves(builds[-1].build_id)
         assert (state / "c" / first.build_id).is_dir()
-        # a build that left the alias moments ago stays (a lagging server may still read it)
+        # a build that left the alias moments ago stays (a lagging server may still read it),
+        # however old the build (made a day ago here)
+        from server.core.collection import CollectionStore
+
+        store = CollectionStore(tmp_path)
+        old = store.descriptor("c", first.build_id)
+        old.created_at -= 86400
+        store.write_descriptor(old)
         out = cli("prune", "--data-dir", tmp_path, "--collection", "c", "--keep", 0)
         assert out.returncode == 0, out.stderr
         assert f"keep    {first.build_id}  (left the alias 0 min ago (--grace-s 600))" in out.stdout

@@ -27,8 +27,8 @@ from server.core.chunking import Chunk, embed_text, shard_of
 from server.core.collection import CollectionStore, ReleaseDescriptor, atomic_write
 from server.core.encoders import Encoders
 from server.core.engine.local import EnginePools, LocalShard
-from server.core.engine.state import (DESCRIPTOR_COPY, check_writable, keep_descriptor,
-                                      remove_state)
+from server.core.engine.state import (DESCRIPTOR_COPY, check_state_is_this_builds,
+                                      check_writable, keep_descriptor, remove_state)
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import ShardWrite
 from server.core.writes import WritePath
@@ -67,6 +67,7 @@ class BuildManager:
         build_id = build_id or self.store.live_build(name)
         desc = self.store.descriptor(name, build_id)
         build_dir = self.store.build_dir(name, build_id)
+        check_state_is_this_builds(self.state_root, name, desc)
         shards = []
         try:
             for i in range(desc.shards):
@@ -485,10 +486,10 @@ class BuildManager:
 
     def unused_states(self, name: str, heads: Optional[set] = None) -> list[str]:
         """Builds of `name` whose state here nothing can use any more: the build is gone from
-        the data directory (pruned), and it is neither one of `heads` (`_served_heads`), the live
-        build or its rollback target, nor in the compaction lineage of any of those (whose logs a
-        switch, publish or rollback replays - review: a server still on a compacted build whose
-        switch failed lost its source's state, and with it the source's writes). Nothing when
+        the data directory (pruned), and it is neither one of `heads` (`_served_heads`) nor in
+        the compaction lineage of one of them or of any build still there (whose logs a switch,
+        publish or rollback replays - review: a server still on a compacted build whose switch
+        failed lost its source's state, and with it the source's writes). Nothing when
         the data directory does not hold the live build (a volume not mounted must not read as
         every build pruned). Blocking: reads descriptors."""
         root = self.state_root / name
@@ -500,7 +501,8 @@ class BuildManager:
         if not root.is_dir() or alias.get("live") not in builds:
             return []
         heads = set(self._served_heads(name) if heads is None else heads)
-        heads |= {alias.get("live"), alias.get("previous")}
+        # every build still there may be published (again): its lineage's logs stay too
+        heads |= {alias.get("live"), alias.get("previous")} | builds
         needed = set()
         for head in heads:
             if head and self._known(name, head):

@@ -413,41 +413,49 @@ class CollectionStore:
     def retention(self, name: str, keep: int, grace_s: float = 0.0,
                   now: Optional[float] = None) -> list[tuple[str, bool, str]]:
         """Which builds of `name` to keep, and why: (build id, kept, reason), newest first. Kept:
-        the live build and its rollback target (`previous`), the builds either was compacted
-        from (their write logs are what a later publish or rollback replays: a compacted
-        build's base holds its source's writes, its own log does not), the `keep` newest builds
-        (one just made and not yet published among them), and those that left the alias less
-        than `grace_s` ago (a server that has not followed yet still reads its files: the exact
-        vectors are memory-mapped from the build). A build whose descriptor cannot be read is
-        kept (it may be one an operator is repairing)."""
+        the live build and its rollback target (`previous`), the `keep` newest builds, those
+        made or that left the alias less than `grace_s` ago (one being audited and published
+        now; one a server that has not followed yet still reads: the exact vectors are
+        memory-mapped from the build), and every build any of these was compacted from: a
+        compacted build's base holds its source's writes, its own log does not, so a later
+        publish of it or of a corpus build over it replays its sources' logs (re-probe: a build
+        kept as one of the newest lost its source, and publishing it later lost that source's
+        writes). A build whose descriptor cannot be read is kept (it may be one an operator is
+        repairing)."""
         alias = self.alias(name)
         now = time.time() if now is None else now
-        left = alias.get("left", {})
-        heads = {"the live build": alias.get("live"), "the rollback target": alias.get("previous")}
-        made: dict[str, float] = {}
+        descs: dict = {}
         damaged = set()
         for b in self.builds(name):
             try:
-                made[b] = self.descriptor(name, b).created_at or 0.0
+                descs[b] = self.descriptor(name, b)
             except (IndexCorruptError, KeyError, TypeError, ValueError):
                 damaged.add(b)
+        made = {b: d.created_at or 0.0 for b, d in descs.items()}
+        newest = sorted(made, key=lambda b: (made[b], b), reverse=True)
         why: dict[str, str] = {}
-        for role, head in heads.items():
-            source, seen = head, set()
-            while source and source in made and source not in seen:
-                seen.add(source)
-                why.setdefault(source, role if source == head else f"compacted into {role}")
-                source = self.descriptor(name, source).compacted_from
-        for b in sorted(made, key=lambda b: (made[b], b), reverse=True)[:max(0, keep)]:
+        for role, b in (("the live build", alias.get("live")),
+                        ("the rollback target", alias.get("previous"))):
+            if b in made:
+                why.setdefault(b, role)
+        for b in newest[:max(0, keep)]:
             why.setdefault(b, f"one of the {keep} newest")
-        for b, when in left.items():
+        for b in newest:
+            if now - made[b] < grace_s:
+                why.setdefault(b, f"made {(now - made[b]) / 60:.0f} min ago (--grace-s {grace_s:g})")
+        for b, when in alias.get("left", {}).items():
             if b in made and now - float(when) < grace_s:
                 why.setdefault(b, f"left the alias {(now - float(when)) / 60:.0f} min ago "
                                   f"(--grace-s {grace_s:g})")
+        for head in list(why):
+            source, seen = descs[head].compacted_from, {head}
+            while source and source in made and source not in seen:
+                seen.add(source)
+                why.setdefault(source, f"{head} ({why[head]}) was compacted from it")
+                source = descs[source].compacted_from
         for b in damaged:
             why[b] = "its descriptor is unreadable"
-        order = sorted(made, key=lambda b: (made[b], b), reverse=True) + sorted(damaged)
-        return [(b, b in why, why.get(b, "")) for b in order]
+        return [(b, b in why, why.get(b, "")) for b in newest + sorted(damaged)]
 
     def remove_build(self, name: str, build_id: str) -> int:
         """Remove one build's directory - never the live build or its rollback target (checked

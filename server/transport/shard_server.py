@@ -21,7 +21,7 @@ from server.backends.device import Device
 from server.config import ServerConfig
 from server.core.collection import CollectionStore
 from server.core.engine.local import EnginePools, LocalShard
-from server.core.engine.state import remove_state
+from server.core.engine.state import check_state_is_this_builds, keep_descriptor, remove_state
 from server.core.faults import FaultSpec, FaultyShard
 from server.errors import SearchError
 from server.transport.shard_rpc import shard_admission
@@ -60,9 +60,12 @@ class ShardReplica:
         desc = self.store.descriptor(self.collection, build_id)
         if not 0 <= self.shard_no < desc.shards:
             raise ValueError(f"--shard must be within 0..{desc.shards - 1} for build {build_id}")
-        return LocalShard.open(desc, self.store.build_dir(self.collection, build_id),
-                               self.state_root, self.shard_no, self.device, self.cfg.engine,
-                               self.pools, self.cfg.replication.apply_batch)
+        check_state_is_this_builds(self.state_root, self.collection, desc)
+        shard = LocalShard.open(desc, self.store.build_dir(self.collection, build_id),
+                                self.state_root, self.shard_no, self.device, self.cfg.engine,
+                                self.pools, self.cfg.replication.apply_batch)
+        keep_descriptor(self.state_root, self.collection, build_id, desc.to_json())
+        return shard
 
     async def start(self) -> None:
         if self.collection is None or self.shard_no is None:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import shutil
 import sqlite3
 import stat
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -178,6 +180,27 @@ def keep_descriptor(state_root: Path, collection: str, build_id: str, desc_json:
         from server.core.collection import atomic_write
 
         atomic_write(path, desc_json)
+
+
+def check_state_is_this_builds(state_root: Path, collection: str, desc) -> None:
+    """Refuse a state made for an earlier build of the same id (an id reused after a prune, or
+    a build removed by hand and built again): its rows and writes are another build's (re-probe:
+    it failed to load with "rows added after the build lack their vectors")."""
+    root = Path(state_root) / collection / desc.build_id
+    copy = root / DESCRIPTOR_COPY
+    if not copy.is_file():
+        return
+    try:
+        made = float(json.loads(copy.read_text()).get("created_at") or 0.0)
+    except (ValueError, TypeError, AttributeError, OSError):
+        return  # not readable: nothing to compare with (the load checks the state itself)
+    if desc.created_at and made and abs(made - desc.created_at) > 1e-3:
+        raise IndexCorruptError(
+            f"the state {root} belongs to an earlier build also named {desc.build_id} (made at "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(made))} UTC), not to this one "
+            f"(made at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(desc.created_at))} UTC): "
+            f"build ids must not be reused. Build again under another id, or move {root} away "
+            f"to serve this build without the writes that state holds")
 
 
 def remove_state(state_root: Path, collection: str, build_id: str) -> Optional[int]:
