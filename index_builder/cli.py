@@ -141,18 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
         "prune", help="remove old builds of a collection (never the live build, its rollback "
                       "target, or the builds they were compacted from)",
         description="Remove the builds of a collection that nothing needs: kept are the live "
-                    "build, its rollback target (the alias's previous), the builds either was "
-                    "compacted from (a later publish or rollback replays their write logs), and "
-                    "the --keep newest. Servers remove their state of a removed build on their "
-                    "next alias poll, unless they still serve it (a server that was down replays "
-                    "its writes from that state when it starts).")
+                    "build, its rollback target (the alias's previous), the --keep newest, "
+                    "those made or that left the alias less than --grace-s ago, and every build "
+                    "any of these was compacted from (a later publish or rollback replays their "
+                    "write logs). Servers remove their state of a removed build once nothing "
+                    "needs it, never while they serve it (a server that was down replays its "
+                    "writes from that state when it starts). Build ids are not reused.")
     _add_common(pr)
     pr.add_argument("--keep", type=int, default=2,
                     help="the newest builds kept besides those (default: 2; 0 keeps only those)")
     pr.add_argument("--grace-s", type=float, default=600.0,
-                    help="also keep builds that left the alias (live or rollback target) less "
-                         "than this long ago: a server that has not followed yet still reads "
-                         "their files (default: 600)")
+                    help="also keep builds made, or that left the alias (live or rollback "
+                         "target), less than this long ago: one being published now, one a "
+                         "server that has not followed yet still reads (default: 600)")
     pr.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
 
     ev = sub.add_parser("eval", help="evaluate BEIR datasets through the service")
