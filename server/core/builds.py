@@ -306,10 +306,11 @@ class BuildManager:
         # the shards whose state is here (none: that build never served here, took no writes
         # here); read from the state, not the build's descriptor: the build may be pruned
         for shard in sorted(self._state_build_dir(name, source_build).glob("shard-*")):
-            s = int(shard.name.split("-", 1)[1])
+            number = shard.name.split("-", 1)[1]
             path = shard / "docstore.sqlite"
-            if not path.is_file():
+            if not number.isdigit() or not path.is_file():
                 continue
+            s = int(number)
             while True:
                 log_store = DocStore(path)
                 try:
