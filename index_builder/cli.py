@@ -525,8 +525,7 @@ def cmd_prune(args) -> int:
             print(f"  keep    {build_id}  ({why})")
             continue
         if args.dry_run:
-            size = sum(f.stat().st_size for f in store.build_dir(args.collection, build_id).rglob("*")
-                       if f.is_file())
+            size = store.build_size(args.collection, build_id)
             print(f"  would remove {build_id}  ({size / 1e6:.1f} MB)")
         else:
             size = store.remove_build(args.collection, build_id)

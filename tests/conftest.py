@@ -59,6 +59,23 @@ def publish_build(data, name, docs, embedder, factory="Flat", shards=1, **kw):
     return desc
 
 
+def write_through_a_server(data, embedder, doc_id: str, text: str, collection: str = "c") -> None:
+    """One upsert through an embedded server over `data`, which then stops: its state holds the
+    write, logged for the build it served."""
+    import grpc
+
+    from server.rpc import search_pb2 as pb
+    from server.rpc import search_pb2_grpc as pb_grpc
+
+    srv = start_core_server(data, embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            pb_grpc.SearchServiceStub(ch).UpsertDocument(pb.UpsertDocumentRequest(
+                collection=collection, doc_id=doc_id, version=1, text=text), timeout=30)
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="session")
 def small_collection(tmp_path_factory, tiny_embedder, cranfield_docs):
     """300 Cranfield documents, 2 shards, Flat, built with the tiny embedder and published."""

@@ -1007,18 +1007,12 @@ def test_a_build_id_reused_after_a_prune_is_refused_not_served_over_the_earlier_
     for an earlier build of that id."""
     import shutil
 
-    from conftest import publish_build
+    from conftest import publish_build, write_through_a_server
     from index_builder.cli import main as builder_main
     from server.errors import IndexCorruptError
 
     publish_build(tmp_path, "c", cranfield_docs[:20], tiny_embedder, build_id="same")
-    srv = start_core_server(tmp_path, tiny_embedder)
-    try:
-        with grpc.insecure_channel(srv.address) as ch:
-            pb_grpc.SearchServiceStub(ch).UpsertDocument(pb.UpsertDocumentRequest(
-                collection="c", doc_id="w", version=1, text="zyxwritten"), timeout=30)
-    finally:
-        srv.stop()
+    write_through_a_server(tmp_path, tiny_embedder, "w", "zyxwritten")
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"id": "1", "text": "one"}\n')
     with pytest.raises(SystemExit) as exit_:

@@ -443,23 +443,14 @@ def test_publish_refuses_a_build_of_another_model_than_the_writes_servers_hold(t
     """Outside QA: a build of another model was published over a collection whose servers held
     streaming writes; a server without that model's embedder refused the switch, and after a
     restart refused to start, taking every collection of its data directory down."""
-    import grpc
     import numpy as np
 
-    from conftest import publish_build, start_core_server
+    from conftest import publish_build, write_through_a_server
     from index_builder.build import audit_build, build_collection
     from server.core.collection import CollectionStore
-    from server.rpc import search_pb2 as pb
-    from server.rpc import search_pb2_grpc as pb_grpc
 
     first = publish_build(tmp_path, "c", cranfield_docs[:20], tiny_embedder)
-    srv = start_core_server(tmp_path, tiny_embedder)
-    try:
-        with grpc.insecure_channel(srv.address) as ch:
-            pb_grpc.SearchServiceStub(ch).UpsertDocument(pb.UpsertDocumentRequest(
-                collection="c", doc_id="streamed", version=1, text="a streamed write"), timeout=30)
-    finally:
-        srv.stop()
+    write_through_a_server(tmp_path, tiny_embedder, "streamed", "a streamed write")
     store = CollectionStore(tmp_path)
     vectors = np.random.default_rng(0).standard_normal((20, first.dim)).astype(np.float32)
     other = build_collection(cranfield_docs[:20], store, "c", None, "Flat", quiet=True,

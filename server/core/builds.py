@@ -28,7 +28,8 @@ from server.core.collection import CollectionStore, ReleaseDescriptor, atomic_wr
 from server.core.encoders import Encoders
 from server.core.engine.local import EnginePools, LocalShard
 from server.core.engine.state import (DESCRIPTOR_COPY, check_state_is_this_builds,
-                                      check_writable, keep_descriptor, remove_state)
+                                      check_writable, keep_descriptor, remove_states,
+                                      state_builds)
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import ShardWrite
 from server.core.writes import WritePath
@@ -493,13 +494,12 @@ class BuildManager:
         failed lost its source's state, and with it the source's writes). Nothing when
         the data directory does not hold the live build (a volume not mounted must not read as
         every build pruned). Blocking: reads descriptors."""
-        root = self.state_root / name
         try:
             alias = self.store.alias(name)
             builds = set(self.store.builds(name))
         except (SearchError, OSError, ValueError):
             return []
-        if not root.is_dir() or alias.get("live") not in builds:
+        if alias.get("live") not in builds:
             return []
         heads = set(self._served_heads(name) if heads is None else heads)
         # every build still there may be published (again): its lineage's logs stay too
@@ -509,50 +509,34 @@ class BuildManager:
             if head and self._known(name, head):
                 needed.add(head)
                 needed.update(self.lineage(name, head))
-        return sorted(d.name for d in root.iterdir()
-                      if d.is_dir() and not d.name.startswith(".") and d.name not in builds
-                      and d.name not in needed)
+        return [b for b in state_builds(self.state_root, name) if b not in builds | needed]
 
     def _keep_descriptor_copies(self, name: str) -> None:
         """Blocking: a copy of its build's descriptor beside every state here whose build is
         still there (states made before states kept one: a later prune would otherwise cut the
         lineage its writes are replayed through)."""
-        root = self.state_root / name
-        if not root.is_dir():
-            return
         builds = set(self.store.builds(name))
-        for d in root.iterdir():
-            if d.name in builds and not (d / DESCRIPTOR_COPY).is_file():
-                keep_descriptor(self.state_root, name, d.name,
-                                self.store.descriptor(name, d.name).to_json())
+        for b in state_builds(self.state_root, name):
+            if b in builds:  # (written only where missing)
+                keep_descriptor(self.state_root, name, b, self.store.descriptor(name, b).to_json())
 
     async def remove_unused_states(self, name: str) -> None:
         """Remove the states `unused_states` names (off the loop: reading descriptors, and a
         state holds a copy of its shard's documents), each unless a process has it open; and
         what a removal cut short left behind. Looked at again only when the builds, the alias
         or the builds this server serves change (not at every poll), until a pass completes."""
+        heads = self._served_heads(name)
         try:
             seen = (frozenset(self.store.builds(name)), tuple(self.store.alias(name).items()),
-                    frozenset(self._served_heads(name)))
+                    frozenset(heads))
         except (SearchError, OSError, ValueError):
             return
         if self._states_seen.get(name) == seen:
             return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._keep_descriptor_copies, name)
-        for build_id in await loop.run_in_executor(None, self.unused_states, name,
-                                                   self._served_heads(name)):
-            try:
-                freed = await loop.run_in_executor(None, remove_state, self.state_root, name,
-                                                   build_id)
-            except OSError as exc:  # the others still go; this one when something changes
-                log.warning("%s: could not remove the state of build %s: %s", name, build_id, exc)
-                continue
-            if freed is not None:
-                log.info("%s: removed the state of build %s (%.1f MB), whose build is gone",
-                         name, build_id, freed / 1e6)
-        for leftover in (self.state_root / name).glob(".removing-*"):
-            await loop.run_in_executor(None, shutil.rmtree, leftover, True)
+        unused = await loop.run_in_executor(None, self.unused_states, name, heads)
+        await loop.run_in_executor(None, remove_states, self.state_root, name, unused)
         self._states_seen[name] = seen
 
     async def _load_new_collections(self) -> None:

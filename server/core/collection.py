@@ -457,14 +457,18 @@ class CollectionStore:
             why[b] = "its descriptor is unreadable"
         return [(b, b in why, why.get(b, "")) for b in newest + sorted(damaged)]
 
+    def build_size(self, name: str, build_id: str) -> int:
+        """Bytes of the build's files."""
+        return sum(st.st_size for st in (p.lstat() for p in self.build_dir(name, build_id).rglob("*"))
+                   if stat.S_ISREG(st.st_mode))
+
     def remove_build(self, name: str, build_id: str) -> int:
         """Remove one build's directory - never the live build or its rollback target (checked
         under the alias lock, which publishers take: a publish cannot flip to it meanwhile).
         Renamed to a staging name first, so a removal cut short is swept, never half served.
         Returns the bytes freed."""
         path = self.build_dir(name, build_id)
-        size = sum(st.st_size for st in (p.lstat() for p in path.rglob("*"))
-                   if stat.S_ISREG(st.st_mode))  # before the lock: publishers wait on it
+        size = self.build_size(name, build_id)  # before the lock: publishers wait on it
         with open(self.collection_dir(name) / ".ALIAS.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             alias = self.alias(name)

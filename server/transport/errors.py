@@ -131,6 +131,14 @@ class Lifecycle:
             await asyncio.sleep(min(wait, end - loop.time()))
 
 
+def _count(method: str, code: str, t0: float) -> None:
+    """One answer of `method`: counted, and timed - every answer, failures too: a p99 of
+    successes alone stays green in an outage (outside QA: 790 of 800 calls failed while the stage
+    histograms held 11)."""
+    metrics.labelled(metrics.REQUESTS, method, code).inc()
+    metrics.labelled(metrics.REQUEST_SECONDS, method, code).observe(time.perf_counter() - t0)
+
+
 def boundary(method: str):
     """Decorator for async servicer methods (on servicers with a `lifecycle`): map errors once,
     count every answer by code, answer UNAVAILABLE while the server drains."""
@@ -141,14 +149,6 @@ def boundary(method: str):
             lifecycle: Lifecycle = self.lifecycle
             entered = None
             t0 = time.perf_counter()
-
-            def count(code: str) -> None:
-                # every answer, failures too: a p99 of successes alone stays green in an outage
-                # (outside QA: 790 of 800 calls failed while the stage histograms held 11)
-                metrics.labelled(metrics.REQUESTS, method, code).inc()
-                metrics.labelled(metrics.REQUEST_SECONDS, method, code).observe(
-                    time.perf_counter() - t0)
-
             try:
                 entered = lifecycle.enter()
                 if isinstance(request, Malformed):
@@ -161,14 +161,14 @@ def boundary(method: str):
                     # the core's own DeadlineExceeded by a hair: count it by what happened.
                     remaining = context.time_remaining()
                     expired = remaining is not None and remaining <= 0
-                    count("DEADLINE_EXCEEDED" if expired else "CANCELLED")
+                    _count(method, "DEADLINE_EXCEEDED" if expired else "CANCELLED", t0)
                     raise  # the client went away, or its deadline did
-                count("UNAVAILABLE")
+                _count(method, "UNAVAILABLE", t0)
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     "the server shut down before answering; retry")
             except errors.SearchError as exc:
                 code = status_for(exc)
-                count(code.name)
+                _count(method, code.name, t0)
                 await context.abort(code, str(exc))
             except grpc.aio.AbortError:
                 raise
@@ -176,13 +176,13 @@ def boundary(method: str):
                 raise
             except BaseException as exc:  # a bug (or a native library's panic): report
                 log.exception("unexpected error in %s", method)  # INTERNAL, keep serving
-                count("INTERNAL")
+                _count(method, "INTERNAL", t0)
                 await context.abort(grpc.StatusCode.INTERNAL,
                                     f"internal error in {method}: {type(exc).__name__}")
             finally:
                 if entered is not None:
                     lifecycle.leave(entered)
-            count("OK")
+            _count(method, "OK", t0)
             return response
 
         return handler

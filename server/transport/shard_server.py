@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Optional
 
 from server.backends.device import Device
 from server.config import ServerConfig
 from server.core.collection import CollectionStore
 from server.core.engine.local import EnginePools, LocalShard
-from server.core.engine.state import check_state_is_this_builds, keep_descriptor, remove_state
+from server.core.engine.state import (check_state_is_this_builds, keep_descriptor,
+                                      remove_states, state_builds)
 from server.core.faults import FaultSpec, FaultyShard
 from server.errors import SearchError
 from server.transport.shard_rpc import shard_admission
@@ -172,22 +172,13 @@ class ShardReplica:
         open_now = {self.local.desc.build_id} | (
             {self.previous[1].desc.build_id} if self.previous is not None else set())
         seen = (builds, frozenset(open_now))
-        root = Path(self.state_root) / self.collection
-        if live not in builds or seen == self._states_seen or not root.is_dir():
+        if live not in builds or seen == self._states_seen:
             return
         self._states_seen = seen
-        loop = asyncio.get_running_loop()
-        for d in sorted(root.iterdir()):
-            if d.is_dir() and not d.name.startswith(".") and d.name not in builds | open_now:
-                try:
-                    freed = await loop.run_in_executor(None, remove_state, self.state_root,
-                                                       self.collection, d.name)
-                except OSError as exc:
-                    log.warning("could not remove the state of build %s: %s", d.name, exc)
-                    continue
-                if freed is not None:
-                    log.info("removed the state of build %s (%.1f MB), whose build is gone",
-                             d.name, freed / 1e6)
+        gone = [b for b in state_builds(self.state_root, self.collection)
+                if b not in builds | open_now]
+        await asyncio.get_running_loop().run_in_executor(None, remove_states, self.state_root,
+                                                         self.collection, gone)
 
     async def _retire(self, which=None, swap=None) -> None:
         """Close the previous build (`which`, if it is still the previous one) and its log

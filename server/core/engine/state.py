@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import sqlite3
@@ -29,6 +30,8 @@ from typing import Optional
 
 from server.backends.docstore import read_only_uri
 from server.errors import FailedPrecondition, IndexCorruptError, StorageFull, is_storage_full
+
+log = logging.getLogger(__name__)
 
 READY = "STATE_READY"
 TANTIVY_LOCKS = (".tantivy-writer.lock", ".tantivy-meta.lock")
@@ -227,3 +230,29 @@ def remove_state(state_root: Path, collection: str, build_id: str) -> Optional[i
     finally:
         for f in held:
             f.close()
+
+
+def state_builds(state_root: Path, collection: str) -> list[str]:
+    """The builds of `collection` with a state under `state_root` (not a staging or removal
+    name, which start with a dot)."""
+    root = Path(state_root) / collection
+    if not root.is_dir():
+        return []
+    return sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def remove_states(state_root: Path, collection: str, build_ids) -> None:
+    """Blocking: remove these builds' states (each unless a process has it open: `remove_state`),
+    logging each, and what a removal cut short left behind. One that fails is logged and the
+    others still go."""
+    for build_id in build_ids:
+        try:
+            freed = remove_state(state_root, collection, build_id)
+        except OSError as exc:
+            log.warning("%s: could not remove the state of build %s: %s", collection, build_id, exc)
+            continue
+        if freed is not None:
+            log.info("%s: removed the state of build %s (%.1f MB), whose build is gone",
+                     collection, build_id, freed / 1e6)
+    for leftover in (Path(state_root) / collection).glob(".removing-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
