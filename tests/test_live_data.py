@@ -203,6 +203,48 @@ def test_a_store_that_lost_committed_writes_is_refused_not_repaired(tmp_path, ti
         ShardIndex(desc, bdir, tmp_path / ".state", 0)
 
 
+def test_a_store_that_lost_committed_deletes_is_refused_not_served(tmp_path, tiny_embedder,
+                                                                    cranfield_docs):
+    """A lost -wal that held only deletes left no BM25 row past the store's end: BM25 lacked
+    the deleted rows, the load re-added them from the store as if a crash had cut a write, and
+    the deleted documents were served again. The store's committed version, recorded after each
+    flip, tells that loss apart from a crash (which leaves the record behind the store)."""
+    import shutil
+
+    from server.core.collection import CollectionStore
+    from server.core.engine.index import ShardIndex
+    from server.core.engine.state import COMMITTED
+    from server.core.types import ShardWrite
+    from server.errors import IndexCorruptError
+
+    desc = publish_build(tmp_path, "walx", cranfield_docs[:20], tiny_embedder)
+    bdir = CollectionStore(tmp_path).build_dir("walx", desc.build_id)
+    shard = ShardIndex(desc, bdir, tmp_path / ".state", 0)
+    db = shard.state_dir / "docstore.sqlite"
+    shard.store._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    shutil.copyfile(db, tmp_path / "before-the-delete")
+    row = sorted(shard.store.live_rows().tolist())[0]
+    doc = shard.store.fetch([row])[row].doc_id
+    outcome = shard.apply_writes([ShardWrite("delete", "default", doc, 10 ** 6, {}, (), None)])
+    assert outcome[0].outcome == "applied"
+    assert (shard.state_dir / COMMITTED).read_text().strip() == str(shard.index_version)
+    shard.close()
+    reopened = ShardIndex(desc, bdir, tmp_path / ".state", 0)  # intact: it loads, doc deleted
+    assert row not in reopened.store.live_rows().tolist()
+    reopened.close()
+    shutil.copyfile(tmp_path / "before-the-delete", db)
+    for suffix in ("-wal", "-shm"):
+        db.with_name(db.name + suffix).unlink(missing_ok=True)
+    with pytest.raises(IndexCorruptError, match="lost committed writes"):
+        ShardIndex(desc, bdir, tmp_path / ".state", 0)
+    # refused before any repair: BM25 still lacks the deleted document's rows
+    from server.backends.lexical import LexicalIndex
+    lexical = LexicalIndex.open(shard.state_dir / "lexical", version=desc.lexical_analyzer)
+    bm25_rows = set(lexical.indexed_rows())
+    lexical.close()
+    assert row not in bm25_rows
+
+
 def test_cache_entries_never_survive_a_write_that_changes_their_answer(live):
     from server.core import metrics
 

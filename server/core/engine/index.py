@@ -48,7 +48,8 @@ from server.backends.lexical import LexicalIndex, term_filterable
 from server.core import metrics
 from server.core.chunking import chunk_id
 from server.core.collection import ReleaseDescriptor, shard_dir_name
-from server.core.engine.state import lock_state, prepare, state_shard_dir
+from server.core.engine.state import (COMMITTED, committed_version, lock_state, prepare,
+                                      record_committed, state_shard_dir)
 from server.core.rwlock import RWLock
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
                                ShardWrite, WriteOutcome)
@@ -56,6 +57,11 @@ from server.errors import (FailedPrecondition, IndexCorruptError, ModelMismatch,
                            is_failure, is_panic, is_storage_full, panic_as_corruption)
 
 log = logging.getLogger(__name__)
+
+# what an operator can do about a store that lost committed writes
+_RESTORE = ("Restore this shard's state from a backup or a replica, or remove {state} to serve "
+            "the build again without the writes applied since (a replica of a replicated "
+            "collection applies them again from the write log)")
 
 
 class ShardVectors:
@@ -225,6 +231,18 @@ class ShardIndex:
     # --- load-time recovery ------------------------------------------------------------------
     def _recover(self) -> dict:
         """Rebuild in-memory state from the store (the authority) after any stop, clean or not."""
+        committed, version = committed_version(self.state_dir), self.store.index_version()
+        if committed > version:
+            # BM25 rows past the store's end show a lost upsert (check_lexical); a lost group of
+            # deletes leaves no such trace - BM25 lacks rows the store says are live, as after a
+            # crash between BM25's commit and the flip - and "repairing" it brought the deleted
+            # documents back: the record of what the store had committed tells the two apart.
+            # Checked before any repair touches BM25
+            raise IndexCorruptError(
+                f"shard state {self.state_dir}: the document store is at index version "
+                f"{version}, but it had committed version {committed} ({COMMITTED}): the store "
+                f"has lost committed writes (a damaged or removed docstore.sqlite-wal?). "
+                + _RESTORE.format(state=self.state_dir))
         dropped = self.store.pending_tail()
         if dropped:  # a crash's staged BM25 commit may hold them: out of BM25 first (idempotent:
             self.lexical.delete_rows(dropped)  # a crash before the store's delete redoes both)
@@ -295,10 +313,7 @@ class ShardIndex:
                 f"shard state {self.state_dir}: the BM25 index holds rows up to "
                 f"{int(indexed.max())} that the document store does not have (it ends at row "
                 f"{self.nrows - 1}): the store has lost committed writes (a damaged or removed "
-                f"docstore.sqlite-wal?). Restore this shard's state from a backup or a replica, "
-                f"or remove {self.state_dir} to serve the build again without the writes "
-                f"applied since (a replica of a replicated collection applies them again from "
-                f"the write log)")
+                f"docstore.sqlite-wal?). " + _RESTORE.format(state=self.state_dir))
         extra = np.concatenate([indexed[~in_range], indexed[in_range][~self.live[indexed[in_range]]]])
         present = np.zeros(self.nrows, dtype=bool)
         present[indexed[in_range]] = True
@@ -688,6 +703,7 @@ class ShardIndex:
                         del counts[t]
                 if any(d is not None for d in deads):
                     self.index_version += 1
+                version = self.index_version
                 if applied_seq is not None:
                     self.applied_seq = max(self.applied_seq, applied_seq)
                 self.generation += 1
@@ -712,6 +728,8 @@ class ShardIndex:
         # full disk here made an applied write answer RESOURCE_EXHAUSTED, and its retry NOOP)
         if unexpected:  # the flip retired rows the staged commit did not delete (never expected)
             self._after_flip(lambda: self.lexical.delete_rows(unexpected))
+        if any(d is not None for d in deads):  # after the store's commit, never before it
+            self._after_flip(lambda: record_committed(self.state_dir, version))
         self._after_flip(lambda: self.store.mark_purged(dead_rows))
         self._after_flip(lambda: self.check_lexical("after a write"))
         applied = {id(w) for w, flipped in zip(fresh, deads) if flipped is not None}

@@ -34,6 +34,10 @@ from server.errors import FailedPrecondition, IndexCorruptError, StorageFull, is
 log = logging.getLogger(__name__)
 
 READY = "STATE_READY"
+# the store's index version after the last write group it committed, written after each flip
+# (the store's commit is durable first: synchronous=FULL), so a store found behind it at load
+# lost committed writes (a removed or cut -wal); a crash before it is written leaves it behind
+COMMITTED = "COMMITTED_VERSION"
 TANTIVY_LOCKS = (".tantivy-writer.lock", ".tantivy-meta.lock")
 
 
@@ -256,3 +260,20 @@ def remove_states(state_root: Path, collection: str, build_ids) -> None:
                      collection, build_id, freed / 1e6)
     for leftover in (Path(state_root) / collection).glob(".removing-*"):
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+def record_committed(state_shard: Path, index_version: int) -> None:
+    """The store's index version after a committed flip (COMMITTED), replaced whole."""
+    tmp = state_shard / f".{COMMITTED}.tmp"
+    tmp.write_text(f"{index_version}\n")
+    os.replace(tmp, state_shard / COMMITTED)
+
+
+def committed_version(state_shard: Path) -> int:
+    """The index version COMMITTED records; 0 when there is none (a state no write has
+    changed, or one made before the record existed) or it is unreadable (a power cut before
+    the file reached the disk: a lost record can only hide a loss, never invent one)."""
+    try:
+        return int((state_shard / COMMITTED).read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
