@@ -116,17 +116,28 @@ def _own_vectors(documents: list[Document], vectors: Optional[np.ndarray],
             raise ValueError(f"document {odd.doc_id!r} has a vector of dimension {len(odd.vector)} "
                              f"and document {documents[0].doc_id!r} one of {dim}: give every "
                              "document a vector of one dimension")
-        vectors = np.asarray(given, dtype=np.float32)
-    vectors = np.asarray(vectors, dtype=np.float32)
+        vectors = np.asarray(given, dtype=np.float64)
+    vectors = np.asarray(vectors)
+    if not np.issubdtype(vectors.dtype, np.number) or np.issubdtype(vectors.dtype, np.complexfloating):
+        raise ValueError(f"the vectors hold {vectors.dtype} values: give real numbers")
     if vectors.ndim != 2 or len(vectors) != len(documents):
         raise ValueError(f"{len(vectors) if vectors.ndim else 0} vectors for {len(documents)} "
                          "documents: give one per document, in corpus order")
     if vectors.shape[1] == 0:
         raise ValueError("the vectors have dimension 0: give each document a non-empty vector")
+    # checked as given, before float32: a finite float64 past float32's range became inf in the
+    # cast and was reported as "NaN or infinite" (outside QA)
     if not np.isfinite(vectors).all():
         bad = int(np.flatnonzero(~np.isfinite(vectors).all(axis=1))[0])
         raise ValueError(f"the vector of document {documents[bad].doc_id!r} (row {bad}) has NaN or "
                          "infinite values")
+    big = np.abs(vectors).max(axis=1) > np.finfo(np.float32).max
+    if big.any():
+        bad = int(np.flatnonzero(big)[0])
+        raise ValueError(f"the vector of document {documents[bad].doc_id!r} (row {bad}) has values "
+                         f"beyond float32's range (|x| <= {np.finfo(np.float32).max:.3g}): vectors "
+                         "are stored as float32")
+    vectors = vectors.astype(np.float32, copy=False)
     try:
         return unit_vectors(vectors, metric, "the vector")
     except InvalidArgument as exc:

@@ -100,7 +100,8 @@ def read_corpus(path: Path, default_tenant: str = "default",
                     raise ValueError("acl must be a list of scope names")
                 vector = obj.get("vector")
                 if vector is not None and (not isinstance(vector, list) or not vector
-                                           or not all(isinstance(x, (int, float)) for x in vector)):
+                                           or not all(isinstance(x, (int, float))
+                                                      and not isinstance(x, bool) for x in vector)):
                     raise ValueError("vector must be a non-empty list of numbers")
                 for field in ("text", "title"):
                     _check_unicode(obj.get(field), field)

@@ -264,9 +264,26 @@ def _print_response(resp: pb.SearchResponse, collection: str, trace: bool) -> No
     print("timings: " + ", ".join(f"{t.stage} {t.ms:.1f} ms" for t in resp.timings))
     if trace:
         for lst in resp.trace.lists:
-            print(f"trace {lst.name}: " + ", ".join(f"{it.doc_id}#{it.rank}" for it in lst.items[:10]))
+            if not lst.items:  # a retriever the query did not use (a lexical query's dense list)
+                continue
+            # ranked lists as doc#rank, the dropped list with each drop's reason
+            print(f"trace {lst.name}: " + ", ".join(
+                f"{it.doc_id} ({it.reason})" if it.reason else f"{it.doc_id}#{it.rank}"
+                for it in lst.items[:10]) + (f", ... {len(lst.items) - 10} more"
+                                             if len(lst.items) > 10 else ""))
         for note in resp.trace.notes:
             print(f"note: {note}")
+
+
+def trace_json(resp: pb.SearchResponse) -> dict:
+    """A response's trace as JSON: each list's items (doc, chunk, rank, score, and for a dropped
+    one why), and the notes."""
+    out: dict = {lst.name: [{"doc_id": it.doc_id, "chunk_id": it.chunk_id, "rank": it.rank,
+                             "score": round(it.score, 6), **({"reason": it.reason} if it.reason else {})}
+                            for it in lst.items]
+                 for lst in resp.trace.lists if lst.items}
+    out["notes"] = list(resp.trace.notes)
+    return out
 
 
 def _run_file(client: SearchClient, args) -> int:
@@ -283,7 +300,8 @@ def _run_file(client: SearchClient, args) -> int:
     codes: Counter = Counter()
     t0 = time.perf_counter()
     try:
-        reqs = (request(text, collection=args.collection, top_k=args.top_k, mode=args.mode)
+        reqs = (request(text, collection=args.collection, top_k=args.top_k, mode=args.mode,
+                        include_trace=args.trace)
                 for _, text in queries)
         for (qid, _), res in zip(queries, client.search_batch(reqs, args.timeout)):
             codes[res.code.name] += 1
@@ -291,6 +309,8 @@ def _run_file(client: SearchClient, args) -> int:
             if res.ok:
                 row["hits"] = [{"doc_id": h.doc_id, "chunk_id": h.chunk_id, "score": round(h.score, 6)}
                                for h in res.response.hits]
+                if args.trace:
+                    row["trace"] = trace_json(res.response)
             else:
                 row["message"] = res.message
             out.write(json.dumps(row) + "\n")
@@ -319,7 +339,9 @@ def main(argv=None) -> int:
     p.add_argument("--collection", default="stdlib", help="default %(default)s (the demo's)")
     p.add_argument("--mode", choices=sorted(MODES), default="hybrid", help="default %(default)s")
     p.add_argument("--top-k", type=_top_k, default=5, help="hits per query (default %(default)s)")
-    p.add_argument("--trace", action="store_true", help="print why each hit ranked where it did")
+    p.add_argument("--trace", action="store_true",
+                   help="print why each hit ranked where it did (with --queries: a `trace` field "
+                        "in each JSON line)")
     p.add_argument("--token-file", type=Path, help="file holding a bearer token (--auth-tokens servers)")
     p.add_argument("--tls-ca", type=Path, help="CA certificate: connect with TLS")
     p.add_argument("--tls-cert", type=Path, help="client certificate (mutual TLS)")

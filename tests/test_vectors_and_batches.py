@@ -388,7 +388,23 @@ def test_own_vectors_of_no_dimension_ragged_or_given_twice_are_refused_by_name(t
         build_collection(ragged, store, "r", None, "Flat", quiet=True, model_id="m")
     with pytest.raises(ValueError, match="`vector` fields and --vectors"):
         vectors_of_records(np.ones((2, 3), np.float32), ragged, {"records": 2})
+    # outside QA: finite float64 values past float32's range were reported as "NaN or infinite"
+    # (the cast made them inf), and booleans passed for numbers (stored as 1.0 and 0.0)
+    huge = [Document("a", "first", vector=[2.4e200, 1.0]), Document("b", "second", vector=[1.0, 0.0])]
+    with pytest.raises(ValueError, match=r"document 'a' \(row 0\) has values beyond float32's range"):
+        build_collection(huge, store, "h", None, "Flat", quiet=True, model_id="m")
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        build_collection(docs, store, "h", None, "Flat", quiet=True, model_id="m",
+                         vectors=np.array([[1.0, 0.0], [0.0, -1e39]]))
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        build_collection(docs, store, "h", None, "Flat", quiet=True, model_id="m",
+                         vectors=np.array([[1.0, 0.0], [np.inf, 0.0]]))
     assert not list((tmp_path / "data").glob("*/builds/*"))
+    corpus = tmp_path / "bools.jsonl"
+    corpus.write_text(json.dumps({"id": "a", "text": "first", "vector": [True, False]}) + "\n")
+    from index_builder.corpus import read_corpus
+    with pytest.raises(ValueError, match="vector must be a non-empty list of numbers"):
+        list(read_corpus(corpus))
 
 
 def test_the_builder_takes_vectors_from_the_corpus_lines(tmp_path):
@@ -537,6 +553,15 @@ def test_search_client_answers_a_file_of_queries(server, tmp_path):
     assert [h["chunk_id"] for h in rows[0]["hits"]] == [h.chunk_id for h in direct.hits]
     assert "2 queries" in proc.stderr and "2 OK" in proc.stderr
 
+    # outside QA: --trace was ignored with --queries; each line now carries its query's trace
+    proc, traced = run(plain, "--mode", "lexical", "--trace")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["hits"] for r in traced] == [r["hits"] for r in rows]
+    t = traced[0]["trace"]
+    assert "dense" not in t  # the retriever a lexical query did not use
+    assert [i["chunk_id"] for i in t["context"]] == [h["chunk_id"] for h in rows[0]["hits"]]
+    assert [i["rank"] for i in t["lexical"][:3]] == [1, 2, 3] and "notes" in t
+
     proc, rows = run(beir)
     assert proc.returncode == 1
     assert [(r["id"], r["code"]) for r in rows] == [("a", "OK"), ("b", "INVALID_ARGUMENT")]
@@ -557,6 +582,25 @@ def test_search_client_answers_a_file_of_queries(server, tmp_path):
         proc, _ = run(plain, "--timeout", t)
         assert proc.returncode == 2 and "positive number of seconds" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_the_printed_trace_says_why_a_passage_was_dropped(capsys):
+    """Outside QA: `search-client --trace` printed dropped passages as `doc#0`, without the
+    reason the response carries, and an empty `trace dense:` line for a lexical query."""
+    from server.client import _print_response
+
+    resp = pb.SearchResponse(build_id="b1", trace=pb.SearchTrace(lists=[
+        pb.TraceList(name="dense"),
+        pb.TraceList(name="lexical", items=[pb.TraceItem(doc_id="d1", rank=1, score=2.0),
+                                            pb.TraceItem(doc_id="d2", rank=2, score=2.0)]),
+        pb.TraceList(name="dropped", items=[pb.TraceItem(doc_id="d2", chunk_id=7,
+                                                         reason="duplicate_of:5")])],
+        notes=["a note"]))
+    _print_response(resp, "c", trace=True)
+    out = capsys.readouterr().out
+    assert "trace dense" not in out
+    assert "trace lexical: d1#1, d2#2" in out
+    assert "trace dropped: d2 (duplicate_of:5)" in out and "note: a note" in out
 
 
 def test_a_plain_query_file_may_have_lines_that_start_with_a_brace(tmp_path):
