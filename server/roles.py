@@ -116,10 +116,16 @@ def run_router(cfg: ServerConfig) -> None:
         holder["core"] = core
         await connect_router(core, collection, replicas, policy, cfg.router.shards_wait_s,
                              credentials=credentials, token=token)
+
+        async def health(serving: bool) -> None:  # the router's health follows its shards
+            if "running" in holder:
+                await holder["running"].set_serving(serving)
+
         await app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
                                 cfg.listen.metrics_port, tls=tls, grace=cfg.listen.shutdown_grace_s,
                                 delay=cfg.listen.shutdown_delay_s,
-                                background=(follow_builds(core, collection),))
+                                background=(follow_builds(core, collection, health=health),),
+                                on_running=lambda running: holder.__setitem__("running", running))
         if write_log is not None:
             await write_log.close()
 

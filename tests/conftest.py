@@ -122,9 +122,10 @@ def shards_of(srv, name):
 
 
 def start_router(embedder, collection, replicas, policy=None, token=None, write_log=None,
-                 follow_builds_s=None, **sections):
+                 follow_builds_s=None, follow_timeout_s=5.0, **sections):
     """An in-process router (real gRPC server) over shard server processes; with
-    `follow_builds_s` it re-reads the replicas' builds that often, as `search-server router` does."""
+    `follow_builds_s` it re-reads the replicas' builds that often (each read bounded by
+    `follow_timeout_s`), its health following its shards, as `search-server router` does."""
     import asyncio
 
     from server.backends.device import Device
@@ -134,13 +135,19 @@ def start_router(embedder, collection, replicas, policy=None, token=None, write_
     from server.transport.router import connect_router, follow_builds
 
     core = SearchCore(server_config(REPO, **sections), embedder, None, Device("cpu"), write_log)
+    started: dict = {}
+
+    async def health(serving):
+        await started["server"].running.set_serving(serving)
 
     async def setup():
         await connect_router(core, collection, replicas, policy or HedgePolicy(), token=token)
         if follow_builds_s:
-            asyncio.get_running_loop().create_task(follow_builds(core, collection, follow_builds_s))
+            asyncio.get_running_loop().create_task(follow_builds(
+                core, collection, follow_builds_s, follow_timeout_s, health=health))
 
-    return ServerThread(core, AnonymousAuth("default"), setup).start()
+    started["server"] = ServerThread(core, AnonymousAuth("default"), setup)
+    return started["server"].start()
 
 
 @pytest.fixture(scope="module")

@@ -553,6 +553,48 @@ def test_a_replica_that_is_down_does_not_hold_the_router_on_the_old_build(
         down.stop()
 
 
+def test_a_router_whose_shards_all_stopped_answering_reports_not_serving(tmp_path, tiny_embedder,
+                                                                         cranfield_docs):
+    """Outside QA: a router stayed SERVING with every shard down, so load balancers kept sending
+    it searches that could only fail. Its health follows its shards: NOT_SERVING once no replica
+    answers, SERVING again when one does; the liveness service stays SERVING throughout."""
+    import os
+    import signal
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    publish_build(tmp_path, "hl", cranfield_docs[:30], tiny_embedder)
+    shard = ShardProcess(tmp_path, "hl", 0)
+    router = start_router(tiny_embedder, "hl", [[shard.address]], follow_builds_s=0.2,
+                          follow_timeout_s=0.5)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(router.address))
+
+    def status(service=""):
+        return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def wait_for(want, what):
+        deadline = time.monotonic() + 30
+        while status() != want:
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+
+    SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        assert status() == SERVING
+        os.kill(shard.proc.pid, signal.SIGSTOP)  # it answers nothing, as a hung host would
+        wait_for(NOT_SERVING, "the router stayed SERVING with no shard answering")
+        assert status("liveness") == SERVING  # not ready, but alive: no restart
+        os.kill(shard.proc.pid, signal.SIGCONT)
+        wait_for(SERVING, "the router did not turn SERVING when its shard answered again")
+        resp = stub_for(router.address).Search(pb.SearchRequest(collection="hl", text="flow",
+                                                                top_k=3), timeout=10)
+        assert len(resp.hits) == 3
+    finally:
+        os.kill(shard.proc.pid, signal.SIGCONT)
+        router.stop()
+        shard.stop()
+
+
 def test_a_stopped_replica_costs_no_query_its_deadline(three_shard_build, tiny_embedder):
     """Regression (issue 10.4): one replica of two SIGSTOPped under 8 client threads with a 3 s
     deadline failed 11 queries (8 in hybrid mode even with unlimited hedging): FetchChunks was not

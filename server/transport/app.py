@@ -116,8 +116,11 @@ class RunningServer:
     lifecycle: Lifecycle
     services: tuple = SERVICES
     servicer: object = None  # a shard server's servicer (its shard is swapped on a build switch)
+    stopping: bool = False
 
     async def set_serving(self, serving: bool) -> None:
+        if serving and self.stopping:  # a server on its way out never turns SERVING again
+            return
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("",) + self.services:
@@ -129,6 +132,7 @@ class RunningServer:
         arriving: refused at once, every rolling update failed some - outside QA); then answer
         new calls UNAVAILABLE, give in-flight calls `grace` seconds (calls still running then are
         answered UNAVAILABLE), stop the listener, drain the batch queues and close the core."""
+        self.stopping = True
         for name in ("",) + self.services:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if delay > 0:
@@ -229,14 +233,17 @@ async def serve_forever(core: SearchCore, auth: Authenticator, host: str, port: 
                         metrics_port: Optional[int], ready_message: bool = True,
                         setup=None, tls: Optional[TLSConfig] = None,
                         background: tuple = (), grace: float = 5.0, reuse_port: bool = False,
-                        delay: float = 0.0) -> None:
+                        delay: float = 0.0, on_running=None) -> None:
     """`background`: coroutines, or coroutine functions, run for the server's life (alias
-    watching, scheduled compaction, a router's build following)."""
+    watching, scheduled compaction, a router's build following). `on_running` is called with the
+    RunningServer once it listens (e.g. to let a background task set its health)."""
     note = start_metrics(host, metrics_port)
     if setup is not None:  # e.g. connecting a router to its shard replicas, inside the loop
         await setup()
     await core.start()
     running = await start_server(core, auth, host, port, tls, reuse_port)
+    if on_running is not None:
+        on_running(running)
     if ready_message:
         print(f"search-server listening on {host}:{running.port}{note}{loop_note()}", flush=True)
     # a coroutine function is called here: a server that fails before this point leaves no

@@ -144,17 +144,39 @@ async def check_write_log(core: SearchCore, infos: list[list]) -> None:
         log.warning("cannot compare the write log with the replicas: %s", exc)
 
 
+# rounds of follow_builds in a row in which no replica of any shard answered before a router
+# reports NOT_SERVING: one slow round is not an outage
+DOWN_ROUNDS = 2
+
+
 async def follow_builds(core: SearchCore, collection: str, interval: float = 2.0,
-                        timeout: float = 5.0) -> None:
+                        timeout: float = 5.0, health=None) -> None:
     """Re-read every replica's build; switch to a build once every replica that answers (at
     least one per shard) serves it (a rollout finished), and keep out of rotation whatever serves
-    another build."""
+    another build. `health` (an async callable taking whether to serve): the router's health
+    follows its shards - NOT_SERVING once no replica of any shard has answered for DOWN_ROUNDS
+    rounds (its searches could only answer UNAVAILABLE: a load balancer should send them to a
+    router that has shards), SERVING again at the first round one answers. A router some of
+    whose shards answer stays SERVING: partial answers are the caller's choice."""
+    down_rounds, serving = 0, True
     while True:
         await asyncio.sleep(interval)
         try:
             current = core.registry.get(collection)
             sets = current.shards
             infos = await _read_infos(sets, timeout, wait=False)
+            if health is not None:
+                down_rounds = 0 if any(i is not None for s in infos for i in s) else down_rounds + 1
+                if serving != (down_rounds < DOWN_ROUNDS):
+                    serving = not serving
+                    if serving:
+                        log.info("%s: a shard replica answers again; the router is SERVING",
+                                 collection)
+                    else:
+                        log.warning("%s: no replica of any shard has answered for %d rounds; "
+                                    "the router is NOT_SERVING until one does", collection,
+                                    down_rounds)
+                    await health(serving)
             await check_write_log(core, infos)
             builds = {i.build_id for shard in infos for i in shard if i is not None}
             # every shard answers through at least one replica, and every replica that answers
