@@ -245,6 +245,26 @@ def test_a_store_that_lost_committed_deletes_is_refused_not_served(tmp_path, tin
     assert row not in bm25_rows
 
 
+def test_every_metadata_value_a_write_stores_can_be_filtered_on(live):
+    """Outside QA: metadata values of 257-1,024 characters were stored, but an equality filter
+    refused any value over 256 characters, so those documents could never be filtered to."""
+    from server.core import limits
+
+    _, stub = live
+    value = "v" * limits.MAX_METADATA_VALUE_CHARS
+    assert upsert(stub, "long-meta", 1, "zyxlongmeta passage", metadata={"tag": value}).outcome == APPLIED
+    for mode in (pb.LEXICAL, pb.DENSE, pb.HYBRID):
+        resp = stub.Search(pb.SearchRequest(collection="live", text="zyxlongmeta passage", top_k=5,
+                                            mode=mode, filters=[pb.MetadataFilter(key="tag",
+                                                                                  any_of=[value])]),
+                           timeout=30)
+        assert [h.doc_id for h in resp.hits] == ["long-meta"], mode
+    with pytest.raises(grpc.RpcError) as err:  # past the cap a write refuses too
+        stub.Search(pb.SearchRequest(collection="live", text="x", filters=[
+            pb.MetadataFilter(key="tag", any_of=[value + "v"])]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_cache_entries_never_survive_a_write_that_changes_their_answer(live):
     from server.core import metrics
 

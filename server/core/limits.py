@@ -8,7 +8,8 @@ MAX_RRF_K = 10_000
 MAX_QUERY_CHARS = 8192
 MAX_FILTERS = 16
 MAX_FILTER_VALUES = 256
-MAX_FILTER_VALUE_CHARS = 256
+MAX_FILTER_VALUE_CHARS = 1_024         # = MAX_METADATA_VALUE_CHARS: any value a write stores can be
+                                      # filtered on (outside QA: 257-1,024 could not)
 MAX_COLLECTION_NAME = 128
 MAX_CONTEXT_TOKENS = 100_000
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # gRPC receive limit on every listener (a SearchBatch of
@@ -26,7 +27,7 @@ MAX_VECTOR_NORM = 1e18                # l2 collections: longer vectors overflow 
 MAX_DOC_TEXT_CHARS = 1_000_000
 MAX_TITLE_CHARS = 1_000
 MAX_METADATA_ENTRIES = 64
-MAX_METADATA_VALUE_CHARS = 1_024
+MAX_METADATA_VALUE_CHARS = MAX_FILTER_VALUE_CHARS
 MAX_ACL_SCOPES = 64
 MAX_FEEDBACK_DOCS = 100               # hits fed back (dense and lexical feedback)
 MAX_EXPANSION_TERMS = 64              # lexical feedback terms per query (and per shard query)
