@@ -80,7 +80,8 @@ def run_router(cfg: ServerConfig) -> None:
     from server.core.replicas import HedgePolicy
     from server.core.service import SearchCore
     from server.transport import app
-    from server.transport.router import connect_router, follow_builds, load_topology
+    from server.transport.router import (connect_router, follow_builds, load_topology,
+                                         router_health)
     from server.transport.shard_rpc import read_token
 
     r = cfg.router
@@ -117,10 +118,7 @@ def run_router(cfg: ServerConfig) -> None:
         await connect_router(core, collection, replicas, policy, cfg.router.shards_wait_s,
                              credentials=credentials, token=token)
 
-        async def health(serving: bool) -> None:  # the router's health follows its shards
-            if "running" in holder:
-                await holder["running"].set_serving(serving)
-
+        health = router_health(lambda: holder["running"], takes_writes=write_log is not None)
         await app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
                                 cfg.listen.metrics_port, tls=tls, grace=cfg.listen.shutdown_grace_s,
                                 delay=cfg.listen.shutdown_delay_s,

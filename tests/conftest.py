@@ -132,13 +132,11 @@ def start_router(embedder, collection, replicas, policy=None, token=None, write_
     from server.core.replicas import HedgePolicy
     from server.core.service import SearchCore
     from server.transport.auth import AnonymousAuth
-    from server.transport.router import connect_router, follow_builds
+    from server.transport.router import connect_router, follow_builds, router_health
 
     core = SearchCore(server_config(REPO, **sections), embedder, None, Device("cpu"), write_log)
     started: dict = {}
-
-    async def health(serving):
-        await started["server"].running.set_serving(serving)
+    health = router_health(lambda: started["server"].running, takes_writes=write_log is not None)
 
     async def setup():
         await connect_router(core, collection, replicas, policy or HedgePolicy(), token=token)

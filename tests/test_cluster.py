@@ -583,6 +583,7 @@ def test_a_router_whose_shards_all_stopped_answering_reports_not_serving(tmp_pat
         assert status() == SERVING
         os.kill(shard.proc.pid, signal.SIGSTOP)  # it answers nothing, as a hung host would
         wait_for(NOT_SERVING, "the router stayed SERVING with no shard answering")
+        assert status("searchserver.v1.SearchService") == NOT_SERVING
         assert status("liveness") == SERVING  # not ready, but alive: no restart
         os.kill(shard.proc.pid, signal.SIGCONT)
         wait_for(SERVING, "the router did not turn SERVING when its shard answered again")
@@ -593,6 +594,42 @@ def test_a_router_whose_shards_all_stopped_answering_reports_not_serving(tmp_pat
         os.kill(shard.proc.pid, signal.SIGCONT)
         router.stop()
         shard.stop()
+
+
+def test_a_router_that_takes_writes_stays_ready_for_them_without_shards():
+    """Review: a router with a write log takes writes without any shard; turning "" NOT_SERVING
+    with the shards down would take every router, and the writes, out of a Service. Only
+    SearchService follows the shards there; a stopping server never turns SERVING again."""
+    import asyncio
+
+    from grpc_health.v1 import health, health_pb2
+
+    from server.transport.app import SEARCH_SERVICE, SERVICES, RunningServer
+    from server.transport.errors import Lifecycle
+    from server.transport.router import router_health
+
+    async def statuses(takes_writes):
+        servicer = health.aio.HealthServicer()
+        running = RunningServer(None, 0, servicer, None, Lifecycle())
+        for name in ("",) + SERVICES:
+            await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        set_health = router_health(lambda: running, takes_writes)
+        await set_health(False)
+        out = {}
+        for name in ("",) + SERVICES:
+            resp = await servicer.Check(health_pb2.HealthCheckRequest(service=name), None)
+            out[name] = resp.status
+        running.stopping = True
+        await set_health(True)  # on its way out: stays NOT_SERVING
+        resp = await servicer.Check(health_pb2.HealthCheckRequest(service=SEARCH_SERVICE), None)
+        return out, resp.status
+
+    SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    writes, after_stop = asyncio.run(statuses(True))
+    assert writes == {"": SERVING, SERVICES[0]: NOT_SERVING, SERVICES[1]: SERVING}
+    assert after_stop == NOT_SERVING
+    reads, _ = asyncio.run(statuses(False))
+    assert set(reads.values()) == {NOT_SERVING}
 
 
 def test_a_stopped_replica_costs_no_query_its_deadline(three_shard_build, tiny_embedder):

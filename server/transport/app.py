@@ -55,6 +55,7 @@ def loop_note() -> str:
 
 SERVICES = (search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name,
             search_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name)
+SEARCH_SERVICE = SERVICES[0]
 
 @dataclass(frozen=True)
 class TLSConfig:
@@ -118,12 +119,13 @@ class RunningServer:
     servicer: object = None  # a shard server's servicer (its shard is swapped on a build switch)
     stopping: bool = False
 
-    async def set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool, names: Optional[tuple] = None) -> None:
+        """Health of `names` (default: the server's, "" and each of its services)."""
         if serving and self.stopping:  # a server on its way out never turns SERVING again
             return
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ("",) + self.services:
+        for name in (("",) + self.services) if names is None else names:
             await self.health.set(name, status)
 
     async def stop(self, grace: float = 5.0, delay: float = 0.0) -> None:

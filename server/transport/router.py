@@ -149,15 +149,29 @@ async def check_write_log(core: SearchCore, infos: list[list]) -> None:
 DOWN_ROUNDS = 2
 
 
+def router_health(running, takes_writes: bool):
+    """follow_builds' `health` for a router: `running()` is its RunningServer. A router that takes
+    writes (a write log) needs no shard for them: it stays ready ("" and AdminService) and only
+    SearchService follows the shards - else a shard outage would take every router, and the
+    writes, out of a Service."""
+    from server.transport.app import SEARCH_SERVICE
+
+    async def health(serving: bool) -> None:
+        await running().set_serving(serving, (SEARCH_SERVICE,) if takes_writes else None)
+
+    return health
+
+
 async def follow_builds(core: SearchCore, collection: str, interval: float = 2.0,
                         timeout: float = 5.0, health=None) -> None:
     """Re-read every replica's build; switch to a build once every replica that answers (at
     least one per shard) serves it (a rollout finished), and keep out of rotation whatever serves
     another build. `health` (an async callable taking whether to serve): the router's health
-    follows its shards - NOT_SERVING once no replica of any shard has answered for DOWN_ROUNDS
-    rounds (its searches could only answer UNAVAILABLE: a load balancer should send them to a
-    router that has shards), SERVING again at the first round one answers. A router some of
-    whose shards answer stays SERVING: partial answers are the caller's choice."""
+    follows its shards - NOT_SERVING once no replica of any shard has answered as serving (not
+    catching up) for DOWN_ROUNDS rounds (its searches could only answer UNAVAILABLE: a load
+    balancer should send them to a router that has shards), SERVING again at the first round
+    one does. A router some of whose shards answer stays SERVING: partial answers are the
+    caller's choice."""
     down_rounds, serving = 0, True
     while True:
         await asyncio.sleep(interval)
@@ -166,17 +180,24 @@ async def follow_builds(core: SearchCore, collection: str, interval: float = 2.0
             sets = current.shards
             infos = await _read_infos(sets, timeout, wait=False)
             if health is not None:
-                down_rounds = 0 if any(i is not None for s in infos for i in s) else down_rounds + 1
-                if serving != (down_rounds < DOWN_ROUNDS):
-                    serving = not serving
-                    if serving:
-                        log.info("%s: a shard replica answers again; the router is SERVING",
-                                 collection)
+                # a replica catching up on its log answers ShardInfo but no search
+                answering = any(i is not None and i.state == "serving" for s in infos for i in s)
+                down_rounds = 0 if answering else down_rounds + 1
+                want = down_rounds < DOWN_ROUNDS
+                if want != serving:
+                    try:
+                        await health(want)
+                    except Exception as exc:  # noqa: BLE001 - the follower must go on
+                        log.warning("%s: could not set the router's health: %s", collection, exc)
                     else:
-                        log.warning("%s: no replica of any shard has answered for %d rounds; "
-                                    "the router is NOT_SERVING until one does", collection,
-                                    down_rounds)
-                    await health(serving)
+                        serving = want
+                        if serving:
+                            log.info("%s: a shard replica answers again; the router is SERVING",
+                                     collection)
+                        else:
+                            log.warning("%s: no replica of any shard has answered searches for "
+                                        "%d rounds; the router is NOT_SERVING until one does",
+                                        collection, down_rounds)
             await check_write_log(core, infos)
             builds = {i.build_id for shard in infos for i in shard if i is not None}
             # every shard answers through at least one replica, and every replica that answers
