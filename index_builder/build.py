@@ -116,7 +116,7 @@ def _own_vectors(documents: list[Document], vectors: Optional[np.ndarray],
             raise ValueError(f"document {odd.doc_id!r} has a vector of dimension {len(odd.vector)} "
                              f"and document {documents[0].doc_id!r} one of {dim}: give every "
                              "document a vector of one dimension")
-        vectors = np.asarray(given, dtype=np.float64)
+        vectors = np.asarray(given)  # booleans stay bool (refused below), numbers as given
     vectors = np.asarray(vectors)
     if not np.issubdtype(vectors.dtype, np.number) or np.issubdtype(vectors.dtype, np.complexfloating):
         raise ValueError(f"the vectors hold {vectors.dtype} values: give real numbers")
@@ -131,7 +131,9 @@ def _own_vectors(documents: list[Document], vectors: Optional[np.ndarray],
         bad = int(np.flatnonzero(~np.isfinite(vectors).all(axis=1))[0])
         raise ValueError(f"the vector of document {documents[bad].doc_id!r} (row {bad}) has NaN or "
                          "infinite values")
-    big = np.abs(vectors).max(axis=1) > np.finfo(np.float32).max
+    # only wider floats can hold what float32 cannot (no copy of a float32 array for nothing)
+    big = (np.abs(vectors).max(axis=1) > np.finfo(np.float32).max
+           if vectors.dtype.kind == "f" and vectors.dtype.itemsize > 4 else np.zeros(0, bool))
     if big.any():
         bad = int(np.flatnonzero(big)[0])
         raise ValueError(f"the vector of document {documents[bad].doc_id!r} (row {bad}) has values "

@@ -227,7 +227,8 @@ def test_a_store_that_lost_committed_deletes_is_refused_not_served(tmp_path, tin
     doc = shard.store.fetch([row])[row].doc_id
     outcome = shard.apply_writes([ShardWrite("delete", "default", doc, 10 ** 6, {}, (), None)])
     assert outcome[0].outcome == "applied"
-    assert (shard.state_dir / COMMITTED).read_text().strip() == str(shard.index_version)
+    store_id = shard.store.get_meta("store_id")
+    assert (shard.state_dir / COMMITTED).read_text().split() == [store_id, str(shard.index_version)]
     shard.close()
     reopened = ShardIndex(desc, bdir, tmp_path / ".state", 0)  # intact: it loads, doc deleted
     assert row not in reopened.store.live_rows().tolist()
@@ -243,6 +244,17 @@ def test_a_store_that_lost_committed_deletes_is_refused_not_served(tmp_path, tin
     bm25_rows = set(lexical.indexed_rows())
     lexical.close()
     assert row not in bm25_rows
+    # the offline audit, the check an operator runs after a crash, says so too
+    from server.core.audit import reconcile_build
+    recon = reconcile_build(CollectionStore(tmp_path), "walx", desc.build_id, tmp_path / ".state",
+                            record=False)
+    assert not recon["passed"] and any("lost committed writes" in m for m in recon["mismatches"])
+    # review: another store put in its place (a replica's; here the build's own copy, which has
+    # no id yet) is not this record's store: it loads, BM25 repaired to match it
+    shutil.copyfile(bdir / "shard-000" / "docstore.sqlite", db)
+    restored = ShardIndex(desc, bdir, tmp_path / ".state", 0)
+    assert row in restored.store.live_rows().tolist()
+    restored.close()
 
 
 def test_every_metadata_value_a_write_stores_can_be_filtered_on(live):
@@ -259,7 +271,7 @@ def test_every_metadata_value_a_write_stores_can_be_filtered_on(live):
                                                                                   any_of=[value])]),
                            timeout=30)
         assert [h.doc_id for h in resp.hits] == ["long-meta"], mode
-    with pytest.raises(grpc.RpcError) as err:  # past the cap a write refuses too
+    with pytest.raises(grpc.RpcError) as err:  # past the cap (a write's too) a filter is refused
         stub.Search(pb.SearchRequest(collection="live", text="x", filters=[
             pb.MetadataFilter(key="tag", any_of=[value + "v"])]), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -433,6 +433,9 @@ def test_own_vectors_of_no_dimension_ragged_or_given_twice_are_refused_by_name(t
     with pytest.raises(ValueError, match="NaN or infinite"):
         build_collection(docs, store, "h", None, "Flat", quiet=True, model_id="m",
                          vectors=np.array([[1.0, 0.0], [np.inf, 0.0]]))
+    flags = [Document("a", "first", vector=[True, False]), Document("b", "second", vector=[False, True])]
+    with pytest.raises(ValueError, match="hold bool values"):
+        build_collection(flags, store, "h", None, "Flat", quiet=True, model_id="m")
     assert not list((tmp_path / "data").glob("*/builds/*"))
     corpus = tmp_path / "bools.jsonl"
     corpus.write_text(json.dumps({"id": "a", "text": "first", "vector": [True, False]}) + "\n")

@@ -211,7 +211,7 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str,
     from BM25 of documents a write was replacing when it was cut off - its BM25 commit made,
     the store's flip not (recovery re-adds them)."""
     from server.backends.docstore import LIVE, PENDING
-    from server.core.engine.state import READY, state_shard_dir
+    from server.core.engine.state import READY, lost_writes, state_shard_dir
 
     desc = store.descriptor(collection, build_id)
     bdir = store.build_dir(collection, build_id)
@@ -226,6 +226,7 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str,
         live_dir = state if state is not None and (state / READY).is_file() else None
         ds = DocStore((live_dir or sdir) / "docstore.sqlite", read_only=live_dir is None)
         try:
+            lost = lost_writes(live_dir, ds) if live_dir is not None else None
             counts, states = ds.counts(), ds.row_states()
             deleted = sum(1 for v, live in ds.documents().values() if not live)
             writes = ds.last_write_seq()
@@ -245,6 +246,8 @@ def reconcile_build(store: CollectionStore, collection: str, build_id: str,
         rows = sum(states.values())
         want = desc.shard_counts.get(name, {})
         where = f"{name}" + (" (state)" if live_dir is not None else "")
+        if lost:  # a server refuses this state (ShardIndex._recover): it would re-add deletes
+            mismatches.append(f"{where}: {lost}: the store has lost committed writes")
         if want and dense.ntotal != want.get("chunks"):
             mismatches.append(f"{where}: the faiss file holds {dense.ntotal} vectors, the build "
                               f"wrote {want.get('chunks')} rows")

@@ -33,7 +33,7 @@ from server.core.encoders import Encoders
 from server.core.ranking import merge_topk, minmax_fusion, rm3_expansion, rrf
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import (Candidate, FetchRequest, RankedHit, SearchQuery, SearchResult,
-                               ShardQuery, ShardResult, TermStats, TraceEntry)
+                               ShardQuery, ShardResult, TermStats, TraceEntry, small_key)
 from server.core.validation import unit_vectors, validate_query
 from server.errors import (CorpusVersionMismatch, DeadlineExceeded, FailedPrecondition,
                            Internal, InvalidArgument, SearchError, Unavailable)
@@ -60,19 +60,6 @@ async def gather(coros: Sequence, return_exceptions: bool = False) -> list:
         return [exc]  # the awaited call was cancelled under us (e.g. a closed channel): a result
     except Exception as exc:  # noqa: BLE001 - returned, as gather would
         return [exc]
-
-
-KEY_PART_MAX_CHARS = 256
-
-
-def _small(part):
-    """A cache-key part as itself, or as its digest when large: the cache counts entries, not
-    bytes, and keys holding a query's text and filters whole let one client's unique queries
-    with 1 MB of filters each hold ~1.4 GB (outside QA)."""
-    text = part if isinstance(part, str) else repr(part)
-    if len(text) <= KEY_PART_MAX_CHARS:
-        return part
-    return ("sha256", hashlib.sha256(text.encode()).hexdigest())
 
 
 def _same_chunk(ranked: Optional[Candidate], fetched: Candidate) -> bool:
@@ -110,15 +97,18 @@ class _Query:
         return self.error is None and self.result is None
 
 
-# The statistics round's budget: a quarter of the time left, up to 250 ms for one query and
-# 50 ms more for each further query of the round (a shard slower than that is left on its own
-# statistics). Where tenants share a shard a query's counts walk postings, uncached after a
-# start or a write: ~20 ms for a long Cranfield query on a loaded 2-core host. One budget for a
-# whole batch left every query of a cold batch of 16 on per-shard statistics, ranked unlike
-# the same query sent alone (outside QA)
-STATS_ROUND_SHARE = 0.25
+# The statistics round's budget (a shard slower than that is left on its own statistics): 250
+# ms for one query, within a tenth of the time left; 50 ms more for each further query of the
+# round, within a quarter of the time left and 10 s in all. Where tenants share a shard a
+# query's counts walk postings, uncached after a start or a write: ~20 ms for a long Cranfield
+# query on a loaded 2-core host. One 250 ms budget for a whole batch left every query of a cold
+# batch of 16 on per-shard statistics, ranked unlike the same query sent alone (outside QA);
+# the caps bound what a hung shard costs a batch
 STATS_ROUND_MAX_S = 0.25
+STATS_ROUND_SHARE = 0.1
 STATS_ROUND_PER_QUERY_S = 0.05
+STATS_ROUND_BATCH_SHARE = 0.25
+STATS_ROUND_CAP_S = 10.0
 
 
 class QueryPipeline:
@@ -308,8 +298,8 @@ class QueryPipeline:
         # apart (str.split() counts U+001F as a space; the tokenizer deletes it)
         # the collection's name too: two collections can hold builds of the same id (a copied
         # directory, `--build-id` given twice), at the same shard versions
-        return (st.coll.desc.collection, st.coll.desc.build_id, versions, _small(q.text), vec,
-                st.mode, tenant, acl_scopes, _small(q.filters), q.top_k, q.dense_depth,
+        return (st.coll.desc.collection, st.coll.desc.build_id, versions, small_key(q.text), vec,
+                st.mode, tenant, acl_scopes, small_key(q.filters), q.top_k, q.dense_depth,
                 q.lexical_depth, q.rrf_k, q.rerank_depth, q.context_token_budget, q.allow_partial,
                 q.feedback_docs, q.feedback_weight, q.lexical_feedback_terms, q.dense_weight,
                 q.fusion)
@@ -377,9 +367,11 @@ class QueryPipeline:
             # a round of its own budget: a shard that hangs must leave the search round its
             # time (the search decides what that shard's failure means), not eat it here
             loop = asyncio.get_running_loop()
-            budget = max(STATS_ROUND_MAX_S, STATS_ROUND_PER_QUERY_S * (len(todo) - 1))
+            n = len(todo)
+            budget = min(STATS_ROUND_CAP_S, STATS_ROUND_MAX_S + STATS_ROUND_PER_QUERY_S * (n - 1))
             if deadline is not None:
-                budget = min(budget, STATS_ROUND_SHARE * (deadline - loop.time()))
+                share = STATS_ROUND_SHARE if n == 1 else STATS_ROUND_BATCH_SHARE
+                budget = min(budget, share * (deadline - loop.time()))
             round_deadline = loop.time() + budget
             out: dict[int, TermStats] = {}
 

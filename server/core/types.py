@@ -1,12 +1,26 @@
 """Plain data passed between transport, core and shards (no grpc types here)."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
 from server.backends.docstore import ChunkRecord
+
+
+KEY_PART_MAX_CHARS = 256
+
+
+def small_key(part):
+    """A cache-key part as itself, or as its digest when large: caches count entries, not
+    bytes, and keys holding a query's text and filters whole let one client's unique queries
+    with 1 MB of filters each hold ~1.4 GB (outside QA)."""
+    text = part if isinstance(part, str) else repr(part)
+    if len(text) <= KEY_PART_MAX_CHARS:
+        return part
+    return ("sha256", hashlib.sha256(text.encode()).hexdigest())
 
 
 @dataclass(frozen=True)

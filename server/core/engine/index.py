@@ -48,20 +48,22 @@ from server.backends.lexical import LexicalIndex, term_filterable
 from server.core import metrics
 from server.core.chunking import chunk_id
 from server.core.collection import ReleaseDescriptor, shard_dir_name
-from server.core.engine.state import (COMMITTED, committed_version, lock_state, prepare,
+from server.core.engine.state import (COMMITTED, lock_state, lost_writes, prepare,
                                       record_committed, state_shard_dir)
 from server.core.rwlock import RWLock
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
-                               ShardWrite, WriteOutcome)
+                               ShardWrite, WriteOutcome, small_key)
 from server.errors import (FailedPrecondition, IndexCorruptError, ModelMismatch, StorageFull,
                            is_failure, is_panic, is_storage_full, panic_as_corruption)
 
 log = logging.getLogger(__name__)
 
 # what an operator can do about a store that lost committed writes
-_RESTORE = ("Restore this shard's state from a backup or a replica, or remove {state} to serve "
-            "the build again without the writes applied since (a replica of a replicated "
-            "collection applies them again from the write log)")
+_RESTORE = ("Restore this shard's state directory whole from a backup (its " + COMMITTED + " with "
+            "it), or put a replica's docstore.sqlite in place of this one (the record is this "
+            "store's, not that one's), or remove {state} to serve the build again without the "
+            "writes applied since (a replica of a replicated collection applies them again from "
+            "the write log)")
 
 
 class ShardVectors:
@@ -205,6 +207,7 @@ class ShardIndex:
         self._filters: dict[tuple, tuple[int, RowFilter]] = {}       # (generation, filter)
         self._masks_lock = threading.Lock()
         self.generation = 0
+        self._id = ""  # the store's id (COMMITTED records it; read at load)
         store_path = self.state_dir / "docstore.sqlite"
         try:
             self.store = DocStore(store_path)
@@ -231,18 +234,17 @@ class ShardIndex:
     # --- load-time recovery ------------------------------------------------------------------
     def _recover(self) -> dict:
         """Rebuild in-memory state from the store (the authority) after any stop, clean or not."""
-        committed, version = committed_version(self.state_dir), self.store.index_version()
-        if committed > version:
+        self._id = self.store.store_id()
+        lost = lost_writes(self.state_dir, self.store)
+        if lost:
             # BM25 rows past the store's end show a lost upsert (check_lexical); a lost group of
             # deletes leaves no such trace - BM25 lacks rows the store says are live, as after a
             # crash between BM25's commit and the flip - and "repairing" it brought the deleted
             # documents back: the record of what the store had committed tells the two apart.
             # Checked before any repair touches BM25
             raise IndexCorruptError(
-                f"shard state {self.state_dir}: the document store is at index version "
-                f"{version}, but it had committed version {committed} ({COMMITTED}): the store "
-                f"has lost committed writes (a damaged or removed docstore.sqlite-wal?). "
-                + _RESTORE.format(state=self.state_dir))
+                f"shard state {self.state_dir}: {lost}: the store has lost committed writes (a "
+                f"damaged or removed docstore.sqlite-wal?). " + _RESTORE.format(state=self.state_dir))
         dropped = self.store.pending_tail()
         if dropped:  # a crash's staged BM25 commit may hold them: out of BM25 first (idempotent:
             self.lexical.delete_rows(dropped)  # a crash before the store's delete redoes both)
@@ -340,7 +342,8 @@ class ShardIndex:
         if (not filters and set(self.tenant_counts) <= {tenant} and not self.acl_restricted.get(tenant)
                 and n_live == self.nrows):
             return None
-        key = (tenant, scopes, filters)
+        # the shard's mask caches count entries: filters of up to ~4 MB go in as their digest
+        key = (tenant, scopes, small_key(filters) if filters else filters)
         with self._masks_lock:
             cached = self._filters.get(key)
             if cached is not None and cached[0] == self.generation:
@@ -729,7 +732,7 @@ class ShardIndex:
         if unexpected:  # the flip retired rows the staged commit did not delete (never expected)
             self._after_flip(lambda: self.lexical.delete_rows(unexpected))
         if any(d is not None for d in deads):  # after the store's commit, never before it
-            self._after_flip(lambda: record_committed(self.state_dir, version))
+            self._after_flip(lambda: record_committed(self.state_dir, self._id, version))
         self._after_flip(lambda: self.store.mark_purged(dead_rows))
         self._after_flip(lambda: self.check_lexical("after a write"))
         applied = {id(w) for w, flipped in zip(fresh, deads) if flipped is not None}

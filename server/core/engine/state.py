@@ -25,6 +25,7 @@ import shutil
 import sqlite3
 import stat
 import time
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -115,6 +116,13 @@ def _copy_store(src: Path, dst: Path) -> None:
     target = sqlite3.connect(str(dst))
     try:
         source.backup(target)
+        # the state's store has an id of its own (DocStore.store_id: its COMMITTED record names
+        # it), written before WAL mode, so into the main file a lost -wal leaves; a build made
+        # from another state's store (a compaction) must not pass that one's on
+        if target.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
+            target.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('store_id', ?)",
+                           (uuid.uuid4().hex,))
+            target.commit()
         target.execute("PRAGMA journal_mode=WAL")
     except sqlite3.DatabaseError as exc:  # truncated or overwritten: name the file, not a traceback
         if is_storage_full(exc) or ("disk I/O error" in str(exc) and _no_room(src, dst)):
@@ -262,18 +270,26 @@ def remove_states(state_root: Path, collection: str, build_ids) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def record_committed(state_shard: Path, index_version: int) -> None:
-    """The store's index version after a committed flip (COMMITTED), replaced whole."""
+def record_committed(state_shard: Path, store_id: str, index_version: int) -> None:
+    """The store's id and index version after a committed flip (COMMITTED), replaced whole."""
     tmp = state_shard / f".{COMMITTED}.tmp"
-    tmp.write_text(f"{index_version}\n")
+    tmp.write_text(f"{store_id} {index_version}\n")
     os.replace(tmp, state_shard / COMMITTED)
 
 
-def committed_version(state_shard: Path) -> int:
-    """The index version COMMITTED records; 0 when there is none (a state no write has
-    changed, or one made before the record existed) or it is unreadable (a power cut before
-    the file reached the disk: a lost record can only hide a loss, never invent one)."""
+def lost_writes(state_shard: Path, store) -> Optional[str]:
+    """What the store lost, when it is behind what COMMITTED says it had committed; None when it
+    is not, when there is no record (a state no write has changed) or an unreadable one (a power
+    cut before it reached the disk: a lost record can only hide a loss, never invent one), or
+    when the record is another store's (a replica's store put in this one's place: index
+    versions count write groups, which differ between replicas)."""
     try:
-        return int((state_shard / COMMITTED).read_text().strip() or 0)
+        store_id, committed = (state_shard / COMMITTED).read_text().split()
+        committed = int(committed)
     except (OSError, ValueError):
-        return 0
+        return None
+    version = store.index_version()
+    if store_id != store.get_meta("store_id") or committed <= version:
+        return None
+    return (f"the document store is at index version {version}, but it had committed version "
+            f"{committed} ({COMMITTED})")
