@@ -27,6 +27,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from server.core import limits
+
 ENV_PREFIX = "SEARCH_"
 
 
@@ -45,7 +47,8 @@ class ListenConfig:
                                       "(serve --workers N: the front ends' request metrics on "
                                       "the next N ports)",
                                       maximum=65535)
-    log_level: str = opt("INFO", "logging level")
+    log_level: str = opt("INFO", "logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR",
+                                                           "CRITICAL"))
     shutdown_delay_s: float = opt(0.0, "on SIGTERM: seconds to go on answering new calls after "
                                        "health turns NOT_SERVING, so that load balancers and "
                                        "Kubernetes endpoints stop sending before calls are refused "
@@ -72,12 +75,13 @@ class ListenConfig:
                           "process that owns the indexes (serve only; 1 = everything in one process)",
                           minimum=1)
     event_loop: str = opt("auto", "asyncio event loop: uvloop, asyncio, or auto (uvloop where it "
-                                  "is installed)")
+                                  "is installed)", choices=("auto", "uvloop", "asyncio"))
 
 
 @dataclass
 class DeviceConfig:
-    device: str = opt("auto", "where indexes and models run: auto, cpu or cuda")
+    device: str = opt("auto", "where indexes and models run: auto, cpu or cuda",
+                      choices=("auto", "cpu", "cuda"))
     faiss_threads: int = opt(1, "OpenMP threads per faiss call (requests already run in parallel; "
                                 "per-call OpenMP made a 20k Flat search 3.3x slower on 2 cores)", minimum=1)
 
@@ -89,10 +93,10 @@ class ModelConfig:
                                         "embedder, callers send vectors)")
     embedder_name: Optional[str] = opt(None, "model name for the model id (default: the directory "
                                              "name); the id must equal the collection's")
-    embedder_backend: str = opt("torch", "torch or onnx")
+    embedder_backend: str = opt("torch", "torch or onnx", choices=("torch", "onnx"))
     reranker: Optional[Path] = opt(None, "local directory of a Hugging Face cross-encoder (enables "
                                          "rerank_depth)")
-    reranker_backend: str = opt("torch", "torch or onnx")
+    reranker_backend: str = opt("torch", "torch or onnx", choices=("torch", "onnx"))
     rerank_cap: int = opt(200, "largest rerank_depth accepted")
     batch_max_size: Optional[int] = opt(None, "items per model call (default: 16 on CPU, where "
                                               "padding makes larger batches slower per item; 64 on "
@@ -108,8 +112,10 @@ class ModelConfig:
 
 @dataclass
 class PipelineConfig:
-    default_depth: int = opt(100, "candidates per retriever when a request names none", minimum=1)
-    default_rrf_k: int = opt(60, "reciprocal rank fusion constant when a request names none", minimum=1)
+    default_depth: int = opt(100, "candidates per retriever when a request names none", minimum=1,
+                             maximum=limits.MAX_DEPTH)
+    default_rrf_k: int = opt(60, "reciprocal rank fusion constant when a request names none", minimum=1,
+                             maximum=limits.MAX_RRF_K)
     dedupe: bool = opt(True, "drop passages whose text repeats one already in the context")
     collection_term_stats: bool = opt(True, "score BM25 with the whole collection's term "
                                             "statistics (one more round to every shard before a "
@@ -127,14 +133,15 @@ class PipelineConfig:
                                           "the assembly/rerank window)")
     dense_feedback_docs: int = opt(5, "hybrid queries: fused hits whose vectors move the query "
                                       "vector before a second dense search (0 = off; a request "
-                                      "may set its own)")
+                                      "may set its own)", maximum=limits.MAX_FEEDBACK_DOCS)
     dense_feedback_weight: float = opt(0.6, "weight of those hits' mean against the query vector", maximum=1)
     lexical_feedback_terms: int = opt(0, "lexical and hybrid queries: terms of the first feedback "
                                          "hits added to the BM25 query (RM3) before a second "
                                          "lexical search (0 = off: it did not win on both "
-                                         "development collections, docs/BENCHMARKS.md)")
+                                         "development collections, docs/BENCHMARKS.md)",
+                                      maximum=limits.MAX_EXPANSION_TERMS)
     lexical_feedback_weight: float = opt(0.5, "boost of the strongest expansion term (a query "
-                                              "term weighs 1)")
+                                              "term weighs 1)", maximum=limits.MAX_TERM_WEIGHT)
 
 
 @dataclass
@@ -162,7 +169,8 @@ class StorageConfig:
     data_dir: Path = opt(Path("data"), "directory holding the collections built by index-builder "
                                        "(may be read-only)")
     state_dir: Optional[Path] = opt(None, "where running shards write (BM25 segments and locks, "
-                                          "SQLite WAL, streaming writes); default: DATA_DIR/.state")
+                                          "SQLite WAL, streaming writes); default: DATA_DIR/.state "
+                                          "(a shard server: DATA_DIR/.state/replicas/REPLICA_ID)")
     collection: list = opt([], "serve only these collections (repeatable; default: every "
                                "published one)")
     alias_poll_s: float = opt(2.0, "follow alias flips (index-builder publish) every N seconds; 0 "
@@ -283,6 +291,15 @@ COMMAND_SECTIONS = {
 COMMAND_DEFAULTS = {"shard": {"listen": {"port": 50061}}}
 SERVE_ONLY = {("listen", "workers"), ("storage", "collection"), ("storage", "compact_interval_s"),
               ("storage", "compact_min_tombstone_ratio")}
+# Fields of a command's sections that the command does not use: it takes no flag for them (a
+# flag accepted and ignored misled: `shard --auth-tokens` served without authentication; shard
+# servers accept routers by --shard-token-file alone - outside QA)
+UNUSED = {
+    "serve": {("auth", "shard_token_file")},
+    "shard": SERVE_ONLY | {("auth", "auth_tokens"), ("auth", "tenant"),
+                           ("replication", "publish_timeout_s")},
+    "router": SERVE_ONLY | {("replication", "apply_batch")},
+}
 
 
 def _section_types() -> dict[str, type]:
@@ -355,15 +372,25 @@ def _coerce(annotation, value, where: str):
     return value
 
 
-def _check_range(f: dataclasses.Field, value, where: str) -> None:
-    """Numbers are >= 0 unless the field says otherwise (`minimum`, `maximum` metadata): a
-    negative limit or cache size started a server that answered nothing."""
+def _check_range(f: dataclasses.Field, value, where: str):
+    """The value, checked. Numbers are >= 0 unless the field says otherwise (`minimum`, `maximum`
+    metadata): a negative limit or cache size started a server that answered nothing; defaults
+    past the request caps (a default depth of 5,000) started one whose every hybrid query was
+    refused. A field with `choices` takes one of them, in any case (`--log-level debug`), as
+    the choice's own spelling."""
+    choices = f.metadata.get("choices")
+    if choices and value is not None:
+        match = next((c for c in choices if c.lower() == str(value).lower()), None)
+        if match is None:
+            raise ValueError(f"{where}: {value!r} is not one of {', '.join(choices)}")
+        return match
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return
+        return value
     low, high = f.metadata.get("minimum", 0), f.metadata.get("maximum")
     if (low is not None and value < low) or (high is not None and value > high):
         span = f">= {low}" if high is None else f"between {low} and {high}"
         raise ValueError(f"{where}: {value!r} is out of range (must be {span})")
+    return value
 
 
 def _flag(section: str, f: dataclasses.Field, command: str = "") -> str:
@@ -374,17 +401,19 @@ def _flag(section: str, f: dataclasses.Field, command: str = "") -> str:
     return "--" + f.name.replace("_", "-")
 
 
-def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+def add_flags(parser: argparse.ArgumentParser, command: str, role: str = "serve") -> None:
     """Add the flags of every field of `command`'s sections (default: not given, so the merge
-    below can tell a flag from a default)."""
+    below can tell a flag from a default). `config` takes every section's flags by their full
+    names and, for its `role`, that role's own short names too (`config --role shard
+    --collection docs` sets the shard's collection, as `shard --collection docs` does)."""
     parser.add_argument("--config", type=Path, default=None,
                         help="TOML configuration file (see `search-server config --print`)")
     types = _section_types()
-    defaults = default_config(command)
+    defaults = default_config(command if command != "config" else role)
     for sec in COMMAND_SECTIONS[command]:
         group = parser.add_argument_group(sec)
         for f in fields(types[sec]):
-            if (sec, f.name) in SERVE_ONLY and command not in ("serve", "config"):
+            if (sec, f.name) in UNUSED[command if command != "config" else role]:
                 continue
             annotation = _field_types(types[sec])[f.name]
             base = _base_type(annotation)
@@ -392,15 +421,18 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
             # argparse %-formats help strings: a literal % in the text must be doubled
             help_text = f"{f.metadata.get('help', '').replace('%', '%%')} [default: {default if default not in ([], None) else 'unset'}; env {ENV_PREFIX}{f.name.upper()}]"
             dest = f"{sec}.{f.name}"
+            names = [_flag(sec, f, command)]
+            if command == "config" and f.metadata.get("flag") and sec in COMMAND_SECTIONS[role]:
+                names.append(f.metadata["flag"])  # the role's own name for it
             if base is bool:
-                group.add_argument(_flag(sec, f, command), dest=dest, action=argparse.BooleanOptionalAction,
+                group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=help_text)
             elif base is list:
-                group.add_argument(_flag(sec, f, command), dest=dest, action="append",
+                group.add_argument(*names, dest=dest, action="append",
                                    default=argparse.SUPPRESS, help=help_text,
                                    metavar=f.name.upper())
             else:
-                group.add_argument(_flag(sec, f, command), dest=dest, type=str, default=argparse.SUPPRESS,
+                group.add_argument(*names, dest=dest, type=str, default=argparse.SUPPRESS,
                                    help=help_text, metavar=f.name.upper())
 
 
@@ -452,6 +484,6 @@ def load_config(command: str, args: Optional[argparse.Namespace] = None,
     for (sec, name), (value, where) in values.items():
         annotation = _field_types(types[sec])[name]
         value = _coerce(annotation, value, where)
-        _check_range(next(x for x in fields(types[sec]) if x.name == name), value, where)
+        value = _check_range(next(x for x in fields(types[sec]) if x.name == name), value, where)
         setattr(getattr(cfg, sec), name, value)
     return cfg

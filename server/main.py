@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Optional
 
 
-def build_parser(internal: bool = False) -> argparse.ArgumentParser:
+def build_parser(internal: bool = False, config_role: str = "serve") -> argparse.ArgumentParser:
     """The command line; `internal` adds `frontend`, which `serve --workers N` starts itself (so a
-    user's typo is never offered it)."""
+    user's typo is never offered it). `config_role`: the role `config --role` names (its short
+    flag names, e.g. a shard's --collection, are then `config`'s too)."""
     from server.config import add_flags
 
     p = argparse.ArgumentParser(prog="search-server", description=__doc__,
@@ -42,7 +43,7 @@ def build_parser(internal: bool = False) -> argparse.ArgumentParser:
     c.add_argument("--role", choices=("serve", "shard", "router"), default="serve",
                    help="whose configuration: its defaults differ (a shard listens on 50061) "
                         "(default %(default)s)")
-    add_flags(c, "config")
+    add_flags(c, "config", config_role)
     h = sub.add_parser("health", help="exit 0 when a server answers SERVING (container probes)")
     h.add_argument("--address", default="127.0.0.1:50051")
     h.add_argument("--service", default="",
@@ -93,7 +94,12 @@ def main(argv=None) -> None:
     from server.config import load_config
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(internal=argv[:1] == ["frontend"]).parse_args(argv)
+    role = "serve"
+    if argv[:1] == ["config"]:  # the role decides what config's short flags mean
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--role", choices=("serve", "shard", "router"), default="serve")
+        role = pre.parse_known_args(argv[1:])[0].role
+    args = build_parser(internal=argv[:1] == ["frontend"], config_role=role).parse_args(argv)
     if args.command == "health":
         raise SystemExit(health(args.address, args.service, args.timeout, args.tls_ca,
                                 args.tls_cert, args.tls_key))

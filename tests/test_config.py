@@ -3,6 +3,7 @@ a TOML file and the environment under the flags, `search-server config --print`,
 for bad values; and the committed gRPC modules match proto/."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -95,6 +96,51 @@ def test_config_print_shows_the_effective_configuration_and_it_round_trips(tmp_p
     shard = subprocess.run([sys.executable, "-m", "server.main", "config", "--print", "--role",
                             "shard"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert shard.returncode == 0 and "port = 50061" in shard.stdout, shard.stderr
+
+
+def test_config_print_takes_a_roles_own_flag_names_and_the_file_starts_that_role(tmp_path):
+    """Outside QA: `config --print --role shard --collection docs` wrote serve's [storage]
+    collection, and a shard started from the file refused for want of --collection."""
+    for role, field_ in (("shard", "shard_collection"), ("router", "router_collection")):
+        out = subprocess.run([sys.executable, "-m", "server.main", "config", "--print", "--role", role,
+                              "--collection", "docs", "--shard", "0"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        saved = tmp_path / f"{role}.toml"
+        saved.write_text(out.stdout)
+        cfg = load_config(role, None, {}, saved)
+        assert getattr(getattr(cfg, role), field_) == "docs" and cfg.storage.collection == []
+
+
+def test_flags_a_role_does_not_use_are_refused_not_ignored():
+    """Outside QA: `shard --auth-tokens FILE` started a shard server that never read the file
+    (shard servers accept routers by --shard-token-file alone), and `serve --shard-token-file`
+    took a file that did not exist."""
+    for command, flag in (("shard", "--auth-tokens"), ("shard", "--tenant"),
+                          ("shard", "--publish-timeout-s"), ("serve", "--shard-token-file"),
+                          ("router", "--apply-batch")):
+        with pytest.raises(SystemExit):
+            parse(command, [flag, "x"], {})
+    assert parse("router", ["--auth-tokens", "t.json"], {}).auth.auth_tokens == Path("t.json")
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--default-depth", "5000"], "between 1 and 2000"),        # every hybrid query was refused
+    (["--dense-feedback-docs", "1000"], "between 0 and 100"),
+    (["--lexical-feedback-terms", "1000"], "between 0 and 64"),
+    (["--lexical-feedback-weight", "50"], "between 0 and 10"),
+    (["--log-level", "LOUD"], "not one of DEBUG"),             # was a traceback at start
+    (["--device", "gpu"], "not one of auto, cpu, cuda"),
+    (["--embedder-backend", "tensorflow"], "not one of torch, onnx"),
+    (["--event-loop", "trio"], "not one of auto, uvloop, asyncio"),
+])
+def test_server_defaults_past_the_request_caps_or_unknown_choices_are_refused_at_start(flags, error):
+    """Outside QA: a default depth of 5,000 started a server whose every hybrid query answered
+    INVALID_ARGUMENT; `--log-level debug` ended in a traceback and `config --print` printed
+    choices that `serve` refuses."""
+    with pytest.raises(ValueError, match=error):
+        parse("serve", flags, {})
+    assert parse("serve", ["--log-level", "debug"], {}).listen.log_level == "DEBUG"
 
 
 @pytest.mark.parametrize("command", ["serve", "shard", "router", "config"])
