@@ -133,6 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="publish although the state holds writes embedded with another model: "
                           "servers switching re-embed them, so each needs the build's embedder")
 
+    rb = sub.add_parser("rollback", help="publish the collection's rollback target (the build "
+                                         "live before the last publish) again",
+                        description="Flip the alias back to its previous build: the live build "
+                                    "becomes the rollback target, so a second rollback undoes the "
+                                    "first. The same as `publish --build <previous>`, with the "
+                                    "same checks, and refused if another publish moved the alias "
+                                    "meanwhile. Running servers follow within --alias-poll-s and "
+                                    "replay the streaming writes they took since.")
+    _add_common(rb)
+    _state_dir_flag(rb, "checked for streaming writes of another model than the build's")
+    rb.add_argument("--allow-model-change", action="store_true",
+                    help="roll back although the state holds writes embedded with another model")
+
     ls = sub.add_parser("list", help="list collections and builds")
     ls.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT)
     ls.add_argument("--collection", default=None)
@@ -461,6 +474,29 @@ def cmd_publish(args) -> int:
     return 0
 
 
+def cmd_rollback(args) -> int:
+    from server.core.collection import CollectionStore
+
+    store = CollectionStore(args.data_dir)
+    alias = store.alias(args.collection) if args.collection in store.collections() else {}
+    live, previous = alias.get("live"), alias.get("previous")
+    if not previous:
+        why = ("is not published" if not live else
+               f"has no rollback target: {live} is the only build it has published")
+        print(f"index-builder rollback: error: collection {args.collection!r} {why}",
+              file=sys.stderr)
+        return 2
+    refusal = None if args.allow_model_change else model_change_refusal(
+        args.state_dir or Path(args.data_dir) / ".state", args.collection,
+        store.descriptor(args.collection, previous))
+    if refusal:
+        print(f"index-builder rollback: error: {refusal}", file=sys.stderr)
+        return 2
+    alias = store.publish(args.collection, previous, expect_live=live)
+    print(f"rolled back: {args.collection} -> {alias['live']} (previous: {alias['previous']})")
+    return 0
+
+
 def cmd_list(args) -> int:
     from server.core.collection import CollectionStore
     from server.errors import IndexCorruptError
@@ -592,7 +628,8 @@ def cmd_eval(args) -> int:
     return run_eval(args)
 
 
-COMMANDS = {"build": cmd_build, "audit": cmd_audit, "publish": cmd_publish, "list": cmd_list,
+COMMANDS = {"build": cmd_build, "audit": cmd_audit, "publish": cmd_publish,
+            "rollback": cmd_rollback, "list": cmd_list,
             "prune": cmd_prune,
             "demo-corpus": cmd_demo_corpus, "eval": cmd_eval, "canary-check": cmd_canary,
             "compact": cmd_compact}

@@ -140,8 +140,8 @@ def test_tuning_says_whether_the_target_was_met(capsys):
 
 
 def test_every_command_has_help():
-    for cmd in ("build", "audit", "publish", "list", "prune", "eval", "compact", "canary-check",
-                "demo-corpus"):
+    for cmd in ("build", "audit", "publish", "rollback", "list", "prune", "eval", "compact",
+                "canary-check", "demo-corpus"):
         out = cli(cmd, "--help")
         assert out.returncode == 0 and "usage: index-builder" in out.stdout
 
@@ -464,6 +464,28 @@ def test_publish_refuses_a_build_of_another_model_than_the_writes_servers_hold(t
               "--allow-model-change")
     assert out.returncode == 0, out.stderr
     assert store.live_build("c") == other.build_id
+
+
+def test_rollback_publishes_the_previous_build_and_a_second_one_undoes_it(tmp_path, tiny_embedder,
+                                                                          cranfield_docs):
+    """Outside QA: the docs and error messages spoke of rolling back, but no command did it (it
+    took `publish --build <previous id>`, which no doc said)."""
+    from conftest import publish_build
+    from server.core.collection import CollectionStore
+
+    out = cli("rollback", "--data-dir", tmp_path, "--collection", "r")
+    assert out.returncode == 2 and "is not published" in out.stderr
+    first = publish_build(tmp_path, "r", cranfield_docs[:20], tiny_embedder)
+    out = cli("rollback", "--data-dir", tmp_path, "--collection", "r")
+    assert out.returncode == 2 and "has no rollback target" in out.stderr
+    second = publish_build(tmp_path, "r", cranfield_docs[20:40], tiny_embedder)
+    store = CollectionStore(tmp_path)
+    out = cli("rollback", "--data-dir", tmp_path, "--collection", "r")
+    assert out.returncode == 0, out.stderr
+    assert store.alias("r") == {**store.alias("r"), "live": first.build_id, "previous": second.build_id}
+    assert f"rolled back: r -> {first.build_id}" in out.stdout
+    out = cli("rollback", "--data-dir", tmp_path, "--collection", "r")
+    assert out.returncode == 0 and store.live_build("r") == second.build_id
 
 
 def test_an_audit_never_falls_back_to_held_in_queries_when_the_builds_own_are_gone(tmp_path):
