@@ -73,7 +73,8 @@ FROM runtime-base AS shard
 COPY --from=build-shard /opt/venv /opt/venv
 USER 10001:10001
 EXPOSE 50061 9100
-# start period: loading a large build and catching up on the write log both count as "starting"
+# start period: loading a large build and catching up on the write log both count as "starting";
+# the port comes from SEARCH_PORT (not --port), and a TLS shard needs a check with --tls-ca
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
     CMD search-server health --address "127.0.0.1:${SEARCH_PORT:-50061}" --timeout 4 || exit 1
 ENTRYPOINT ["search-server"]
@@ -125,6 +126,9 @@ FROM cuda-base AS cuda
 COPY --from=build-cuda /opt/venv /opt/venv
 USER 10001:10001
 EXPOSE 50051 50061 9100
+# Docker's health check reads the port from SEARCH_PORT: run a shard or a server on another port
+# with SEARCH_PORT=... rather than --port (Kubernetes ignores HEALTHCHECK: its probes name the
+# port). A server with --tls-cert needs a check of its own that passes --tls-ca.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
     CMD search-server health --address "127.0.0.1:${SEARCH_PORT:-50051}" --timeout 4 || exit 1
 ENTRYPOINT ["search-server"]
@@ -165,6 +169,9 @@ FROM runtime-base AS cpu
 COPY --from=build-cpu /opt/venv /opt/venv
 USER 10001:10001
 EXPOSE 50051 50061 9100
+# Docker's health check reads the port from SEARCH_PORT: run a shard or a server on another port
+# with SEARCH_PORT=... rather than --port (Kubernetes ignores HEALTHCHECK: its probes name the
+# port). A server with --tls-cert needs a check of its own that passes --tls-ca.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
     CMD search-server health --address "127.0.0.1:${SEARCH_PORT:-50051}" --timeout 4 || exit 1
 ENTRYPOINT ["search-server"]

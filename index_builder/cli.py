@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="chunk, embed, train, add and write a new build")
     _add_common(b)
     b.add_argument("--corpus", type=Path, required=True,
-                   help="BEIR corpus.jsonl (or its directory), or JSONL of {id, text, title?, metadata?, tenant?}")
+                   help="BEIR corpus.jsonl (or its directory), or JSONL of {id, text, title?, "
+                        "metadata?, tenant?, acl?, version?, vector?}")
     b.add_argument("--factory", default="Flat",
                    help="faiss factory string, e.g. Flat, HNSW32,Flat, IVF1024,PQ48x4fs,RFlat "
                         "(default %(default)s: exact)")
@@ -146,9 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--allow-model-change", action="store_true",
                     help="roll back although the state holds writes embedded with another model")
 
-    ls = sub.add_parser("list", help="list collections and builds")
-    ls.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT)
-    ls.add_argument("--collection", default=None)
+    ls = sub.add_parser("list", help="list collections and builds",
+                        description="Every collection's builds: factory, chunks, shards and audited "
+                                    "recall; * marks the live build. Exit 1 if a build is damaged "
+                                    "or the alias names one that is gone.")
+    ls.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT,
+                    help="root of the collections (default: ./data or $SEARCH_DATA_DIR)")
+    ls.add_argument("--collection", default=None, help="only this collection (default: all)")
 
     pr = sub.add_parser(
         "prune", help="remove old builds of a collection (never the live build, its rollback "
@@ -173,13 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dataset", action="append", required=True,
                     help="BEIR dir with corpus.jsonl, queries.jsonl, qrels/, optionally =COLLECTION "
                          "(default: the directory's name); repeatable")
-    ev.add_argument("--address", default="127.0.0.1:50051", help="a running server to query")
+    ev.add_argument("--address", default="127.0.0.1:50051",
+                    help="a running server to query (default %(default)s)")
     _tls_flags(ev)
     ev.add_argument("--serve-from", type=Path, default=None,
                     help="instead of --address: build any missing collection under this data "
                          "directory (Flat, packaged MiniLM) and serve them in this process")
     ev.add_argument("--modes", default="dense,lexical,hybrid,hybrid-rrf",
-                    help="comma list of dense, lexical, hybrid (with dense feedback, the default), "
+                    help="(default %(default)s) comma list of dense, lexical, hybrid (with dense "
+                         "feedback, the server's default), "
                          "hybrid-rrf (plain RRF), hybrid+rerank; the options that are off by "
                          "default: lexical+rm3, hybrid+rm3, hybrid-rrf+rm3 (lexical feedback, 10 "
                          "terms), hybrid-dw4, hybrid-dw6 (weighted fusion, dense share 0.4/0.6), "
@@ -188,16 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--compare", default="hybrid:hybrid-rrf",
                     help="comma list of A:B mode pairs compared per query (randomization test and "
                          "paired t-test on nDCG@10)")
-    ev.add_argument("--split", default="test")
-    ev.add_argument("--depth", type=int, default=100, help="documents ranked per query")
-    ev.add_argument("--rerank-depth", type=int, default=50)
+    ev.add_argument("--split", default="test", help="the qrels split (default %(default)s)")
+    ev.add_argument("--depth", type=int, default=100,
+                    help="documents ranked per query (default %(default)s)")
+    ev.add_argument("--rerank-depth", type=int, default=50,
+                    help="hits reranked in the +rerank modes (default %(default)s)")
     ev.add_argument("--out", type=Path, default=None, help="directory for per-query results")
     ev.add_argument("--plots", type=Path, default=None,
                     help="write PNG plots (nDCG@10 by mode and query slice) here; needs matplotlib "
                          "(the bench extra)")
 
     cp = sub.add_parser("compact", help="ask a running server to compact a collection (drop tombstones)")
-    cp.add_argument("--address", default="127.0.0.1:50051")
+    cp.add_argument("--address", default="127.0.0.1:50051", help="the server (default %(default)s)")
     cp.add_argument("--collection", required=True)
     cp.add_argument("--token", default=None, help="bearer token with the operator role")
     cp.add_argument("--token-file", type=Path, default=None,
@@ -205,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     _tls_flags(cp)
 
     cc = sub.add_parser("canary-check", help="query as every other tenant; fail if a canary sentinel appears")
-    cc.add_argument("--address", default="127.0.0.1:50051")
+    cc.add_argument("--address", default="127.0.0.1:50051", help="the server (default %(default)s)")
     cc.add_argument("--collection", required=True)
     cc.add_argument("--credentials", type=Path, required=True,
                     help='JSON list of {"tenant": ..., "token": ...} for the non-canary tenants')

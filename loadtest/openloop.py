@@ -77,8 +77,9 @@ def add_load_args(p, warmup: float = 0.0) -> None:
                    help="BEIR queries.jsonl (or its directory) or a text file with one query per "
                         "line (default: %d built-in questions about the Python standard library)"
                         % len(DEMO_QUERIES))
-    p.add_argument("--mode", choices=["dense", "lexical", "hybrid"], default="hybrid")
-    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--mode", choices=["dense", "lexical", "hybrid"], default="hybrid",
+                   help="search mode (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=10, help="hits per query (default %(default)s)")
     p.add_argument("--rate", type=float, default=50.0, help="requests per second (default 50)")
     p.add_argument("--duration", type=float, default=20.0,
                    help="seconds of measured load (default 20)")
@@ -104,7 +105,8 @@ def add_load_args(p, warmup: float = 0.0) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", default="127.0.0.1:50051", help="host:port of the service")
+    p.add_argument("--address", default="127.0.0.1:50051",
+                   help="host:port of the service (default %(default)s)")
     add_load_args(p)
     args = p.parse_args(argv)
     check_args(p, args)

@@ -45,11 +45,11 @@ def build_parser(internal: bool = False, config_role: str = "serve") -> argparse
                         "(default %(default)s)")
     add_flags(c, "config", config_role)
     h = sub.add_parser("health", help="exit 0 when a server answers SERVING (container probes)")
-    h.add_argument("--address", default="127.0.0.1:50051")
+    h.add_argument("--address", default="127.0.0.1:50051", help="the server (default %(default)s)")
     h.add_argument("--service", default="",
                    help='a service name; empty: the server is ready (a shard: caught up on its '
-                        'log); "liveness": its event loop answers (liveness probes)')
-    h.add_argument("--timeout", type=float, default=3.0)
+                        'log; the default); "liveness": its event loop answers (liveness probes)')
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds (default %(default)s)")
     h.add_argument("--tls-ca", type=Path, default=None, help="the server speaks TLS: trust this CA")
     h.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
     h.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")

@@ -144,6 +144,16 @@ def test_an_explicit_min_recall_decides_publication_lower_or_higher(two_builds):
     assert store.live_build("c") == b.build_id
 
 
+def test_a_build_directory_holds_no_sqlite_side_files(two_builds):
+    """Outside QA: every shard of a build held docstore.sqlite-wal and -shm, which no build
+    records (the immutable build is the one file; a state's copy takes the WAL)."""
+    store, a, b = two_builds
+    for build in (a, b):
+        bdir = store.build_dir("c", build.build_id)
+        assert list(bdir.glob("shard-*/docstore.sqlite"))
+        assert not list(bdir.glob("**/*-wal")) and not list(bdir.glob("**/*-shm"))
+
+
 def test_publish_refuses_a_build_whose_counts_do_not_reconcile(two_builds, tmp_path):
     from index_builder.build import audit_build
 
@@ -151,6 +161,13 @@ def test_publish_refuses_a_build_whose_counts_do_not_reconcile(two_builds, tmp_p
     db = store.build_dir("c", b.build_id) / "shard-001" / "docstore.sqlite"
     with sqlite3.connect(db) as conn:  # lose one chunk row: the store no longer matches faiss/BM25
         conn.execute("DELETE FROM chunks WHERE row = (SELECT max(row) FROM chunks)")
+    conn.close()
+    # as the builder wrote it (its checksum recorded after the loss): a build made wrong, not
+    # damaged since (that its sha256 catches before any count is compared)
+    from server.backends.dense import file_record
+    desc = store.descriptor("c", b.build_id)
+    desc.shard_files["shard-001"]["docstore.sqlite"] = file_record(db)
+    store.write_descriptor(desc)
     audit = audit_build(store, "c", b.build_id)
     assert audit["passed"] and not audit["reconciliation"]["passed"]
     out = subprocess.run([sys.executable, "-m", "index_builder.cli", "publish", "--data-dir",

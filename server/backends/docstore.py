@@ -576,6 +576,12 @@ class DocStore:
                 out[r[0]] = _record(r)
         return out
 
+    def seal(self) -> None:
+        """A build's store once written: out of WAL mode (checkpointed, its -wal and -shm gone),
+        so the build directory holds the one file a build records; a state's copy goes back to
+        WAL when it is made (engine/state.py)."""
+        self._conn().execute("PRAGMA journal_mode=DELETE")
+
     def close(self) -> None:
         with self._all_lock:
             conns, self._all = self._all, []

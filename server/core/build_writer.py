@@ -78,6 +78,7 @@ def write_shard(sdir: Path, records: Sequence[ChunkRecord], x: np.ndarray, docum
     store.set_meta("build_id", build_id)
     counts = store.counts()
     tenants = store.tenants()
+    store.seal()
     store.close()
     lexical = LexicalIndex.create(sdir / "lexical")
     lexical.add((r.row, r.title, r.text, r.tenant, r.metadata, r.acl) for r in records)
