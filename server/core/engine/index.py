@@ -177,12 +177,27 @@ class ShardIndex:
         self.state_dir = prepare(self.build_dir, state_shard_dir(state_root, desc.collection,
                                                                  desc.build_id, name), files)
         self._lock = lock_state(self.state_dir)
+        try:
+            self._open(desc, files, device, record_cache_rows)
+        except BaseException:
+            # a refused shard gives back what it opened (its state's lock, the store's
+            # connections, tantivy's directory): a retry in this process, or an operator's
+            # repair of the files, must not find them held until the collector comes by
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - the load's own error is the one to report
+                log.exception("shard %d: giving back a failed load's files failed", shard_no)
+            raise
+
+    def _open(self, desc: ReleaseDescriptor, files: dict, device: Optional[Device],
+              record_cache_rows: int) -> None:
+        shard_no = self.shard_no
         knobs = SearchKnobs(**desc.search_defaults) if desc.search_defaults else SearchKnobs()
         self.dense = DenseIndex.load(self.build_dir, desc.metric, files, knobs, device, shard_no)
         if self.dense.dim != desc.dim:
             raise FailedPrecondition(f"{self.build_dir}: index dim {self.dense.dim} != descriptor {desc.dim}")
         self.tenant_dense: dict[str, DenseIndex] = {}
-        for tenant in desc.dedicated_tenants.get(name, []):
+        for tenant in desc.dedicated_tenants.get(shard_dir_name(shard_no), []):
             tdir = self.build_dir / "tenants" / tenant
             self.tenant_dense[tenant] = DenseIndex.load(tdir, desc.metric, files.get(f"tenants/{tenant}"),
                                                         knobs, device, shard_no)
@@ -768,10 +783,13 @@ class ShardIndex:
             (self.states["dead"] + self.states["orphan"]) / total)
 
     def close(self) -> None:
-        for dense in (self.dense, *self.tenant_dense.values()):
-            dense.close()  # device memory goes back now, not when the last reference dies
-        self.lexical.close()
-        self.store.close()
+        """Give back what the shard holds (also a shard whose load failed part way)."""
+        dense = getattr(self, "dense", None)
+        for index in ((dense, *getattr(self, "tenant_dense", {}).values()) if dense else ()):
+            index.close()  # device memory goes back now, not when the last reference dies
+        for part in (getattr(self, "lexical", None), getattr(self, "store", None)):
+            if part is not None:
+                part.close()
         if self._lock is not None:
             self._lock.close()  # releases the flock
             self._lock = None
