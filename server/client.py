@@ -256,10 +256,14 @@ def read_queries(path: Path) -> list[tuple[str, str]]:
 def _print_response(resp: pb.SearchResponse, collection: str, trace: bool) -> None:
     print(f"{len(resp.hits)} hits from {collection} build {resp.build_id} "
           f"(model {resp.model_id}, corpus {resp.corpus_version})")
+    # the retrievers the query used (their stages are timed): a hit's rank in each, "-" where
+    # one did not find it; a lexical query's hits say nothing of a dense list
+    used = [name for name in ("dense", "lexical") if any(t.stage == name for t in resp.timings)]
     for i, h in enumerate(resp.hits, 1):
         kind = pb.ScoreKind.Name(h.score_kind).lower()
-        ranks = f"dense #{h.dense.rank or '-'} lexical #{h.lexical.rank or '-'}"
-        print(f"{i:>2}. {h.doc_id}  [{kind} {h.score:.4f}, {ranks}]  chars {h.start_offset}-{h.end_offset}")
+        ranks = " ".join(f"{name} #{getattr(h, name).rank or '-'}" for name in used)
+        print(f"{i:>2}. {h.doc_id}  [{kind} {h.score:.4f}{', ' + ranks if ranks else ''}]  "
+              f"chars {h.start_offset}-{h.end_offset}")
         print(textwrap.indent(textwrap.shorten(h.text, 200), "      "))
     print("timings: " + ", ".join(f"{t.stage} {t.ms:.1f} ms" for t in resp.timings))
     if trace:

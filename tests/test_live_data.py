@@ -1,8 +1,10 @@
 """Streaming upserts and deletes: idempotent, ordered, atomic per document, durable, crash-safe;
 caches never outlive a write that changes their answer."""
+import json
 import os
 import random
 import re
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -227,11 +229,13 @@ def test_a_store_that_lost_committed_deletes_is_refused_not_served(tmp_path, tin
     doc = shard.store.fetch([row])[row].doc_id
     outcome = shard.apply_writes([ShardWrite("delete", "default", doc, 10 ** 6, {}, (), None)])
     assert outcome[0].outcome == "applied"
-    store_id = shard.store.get_meta("store_id")
-    assert (shard.state_dir / COMMITTED).read_text().split() == [store_id, str(shard.index_version)]
+    assert json.loads((shard.state_dir / COMMITTED).read_text()) == {
+        "tenant": "default", "doc_id": doc, "version": 10 ** 6}
     shard.close()
     reopened = ShardIndex(desc, bdir, tmp_path / ".state", 0)  # intact: it loads, doc deleted
     assert row not in reopened.store.live_rows().tolist()
+    reopened.store._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    shutil.copyfile(db, tmp_path / "a-replicas-store")  # the same writes, whole
     reopened.close()
     shutil.copyfile(tmp_path / "before-the-delete", db)
     for suffix in ("-wal", "-shm"):
@@ -250,11 +254,18 @@ def test_a_store_that_lost_committed_deletes_is_refused_not_served(tmp_path, tin
     recon = reconcile_build(CollectionStore(tmp_path), "walx", desc.build_id, tmp_path / ".state",
                             record=False)
     assert not recon["passed"] and any("lost committed writes" in m for m in recon["mismatches"])
-    # review: another store put in its place (a replica's; here the build's own copy, which has
-    # no id yet) is not this record's store: it loads, BM25 repaired to match it
+    # review and re-probe: a replica's store that holds every write this one had loads, though
+    # its writes fell into other groups (index versions differ between replicas); one behind,
+    # as the build's own copy is, does not
     shutil.copyfile(bdir / "shard-000" / "docstore.sqlite", db)
+    with pytest.raises(IndexCorruptError, match="lacks the last write it had committed"):
+        ShardIndex(desc, bdir, tmp_path / ".state", 0)
+    shutil.copyfile(tmp_path / "a-replicas-store", db)
+    with sqlite3.connect(db) as conn:  # other groups: another index version, the same writes
+        conn.execute("UPDATE meta SET value = '1' WHERE key = 'index_version'")
+    conn.close()
     restored = ShardIndex(desc, bdir, tmp_path / ".state", 0)
-    assert row in restored.store.live_rows().tolist()
+    assert row not in restored.store.live_rows().tolist()
     restored.close()
 
 

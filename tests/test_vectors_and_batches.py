@@ -434,8 +434,11 @@ def test_own_vectors_of_no_dimension_ragged_or_given_twice_are_refused_by_name(t
         build_collection(docs, store, "h", None, "Flat", quiet=True, model_id="m",
                          vectors=np.array([[1.0, 0.0], [np.inf, 0.0]]))
     flags = [Document("a", "first", vector=[True, False]), Document("b", "second", vector=[False, True])]
-    with pytest.raises(ValueError, match="hold bool values"):
+    with pytest.raises(ValueError, match="document 'a' has a vector holding booleans"):
         build_collection(flags, store, "h", None, "Flat", quiet=True, model_id="m")
+    mixed = [Document("a", "first", vector=[1.0, 0.5]), Document("b", "second", vector=[True, 0.5])]
+    with pytest.raises(ValueError, match="document 'b' has a vector holding booleans"):
+        build_collection(mixed, store, "h", None, "Flat", quiet=True, model_id="m")
     assert not list((tmp_path / "data").glob("*/builds/*"))
     corpus = tmp_path / "bools.jsonl"
     corpus.write_text(json.dumps({"id": "a", "text": "first", "vector": [True, False]}) + "\n")
@@ -626,7 +629,10 @@ def test_the_printed_trace_says_why_a_passage_was_dropped(capsys):
     reason the response carries, and an empty `trace dense:` line for a lexical query."""
     from server.client import _print_response
 
-    resp = pb.SearchResponse(build_id="b1", trace=pb.SearchTrace(lists=[
+    resp = pb.SearchResponse(build_id="b1", timings=[pb.StageTiming(stage="lexical", ms=1.0)],
+                             hits=[pb.SearchHit(doc_id="d1", score=2.0, score_kind=pb.BM25,
+                                                lexical=pb.RetrieverScore(rank=1, score=2.0))],
+                             trace=pb.SearchTrace(lists=[
         pb.TraceList(name="dense"),
         pb.TraceList(name="lexical", items=[pb.TraceItem(doc_id="d1", rank=1, score=2.0),
                                             pb.TraceItem(doc_id="d2", rank=2, score=2.0)]),
@@ -635,7 +641,7 @@ def test_the_printed_trace_says_why_a_passage_was_dropped(capsys):
         notes=["a note"]))
     _print_response(resp, "c", trace=True)
     out = capsys.readouterr().out
-    assert "trace dense" not in out
+    assert "trace dense" not in out and "dense #" not in out and "[bm25 2.0000, lexical #1]" in out
     assert "trace lexical: d1#1, d2#2" in out
     assert "trace dropped: d2 (duplicate_of:5)" in out and "note: a note" in out
 

@@ -16,7 +16,6 @@ import os
 import re
 import sqlite3
 import threading
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -442,18 +441,6 @@ class DocStore:
 
     def set_meta(self, key: str, value: str) -> None:
         self._conn().execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?,?)", (key, value))
-
-    def store_id(self) -> str:
-        """This store's own id (a state's COMMITTED record names the store it is of). A state's
-        copy gets one as it is made, in its main file; a store without one (a state made before
-        ids, a store put in place from elsewhere) gets one now, checkpointed into the main file:
-        an id that lived only in a -wal would go with the writes a lost -wal takes."""
-        value = self.get_meta("store_id")
-        if value is None:
-            value = uuid.uuid4().hex
-            self.set_meta("store_id", value)
-            self._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        return value
 
     def get_meta(self, key: str) -> Optional[str]:
         row = self._conn().execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()

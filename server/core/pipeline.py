@@ -493,8 +493,10 @@ class QueryPipeline:
                 metrics.RECENT.observe("dense", r.dense_ms / 1e3)
             if r.lexical_ms:
                 metrics.RECENT.observe("lexical", r.lexical_ms / 1e3)
-        st.timings["dense"] = max((r.dense_ms for r in ok), default=0.0)
-        st.timings["lexical"] = max((r.lexical_ms for r in ok), default=0.0)
+        if st.mode != "lexical":  # the retrievers the query used (a lexical query's "dense 0.0
+            st.timings["dense"] = max((r.dense_ms for r in ok), default=0.0)  # ms" said nothing)
+        if st.mode != "dense":
+            st.timings["lexical"] = max((r.lexical_ms for r in ok), default=0.0)
 
     def _fuse(self, st: _Query) -> None:
         sq, results = st.sq, st.shard_results

@@ -60,8 +60,8 @@ log = logging.getLogger(__name__)
 
 # what an operator can do about a store that lost committed writes
 _RESTORE = ("Restore this shard's state directory whole from a backup (its " + COMMITTED + " with "
-            "it), or put a replica's docstore.sqlite in place of this one (the record is this "
-            "store's, not that one's), or remove {state} to serve the build again without the "
+            "it), or put in place the docstore.sqlite of a replica that has applied at least "
+            "every write this one had, or remove {state} to serve the build again without the "
             "writes applied since (a replica of a replicated collection applies them again from "
             "the write log)")
 
@@ -222,7 +222,6 @@ class ShardIndex:
         self._filters: dict[tuple, tuple[int, RowFilter]] = {}       # (generation, filter)
         self._masks_lock = threading.Lock()
         self.generation = 0
-        self._id = ""  # the store's id (COMMITTED records it; read at load)
         store_path = self.state_dir / "docstore.sqlite"
         try:
             self.store = DocStore(store_path)
@@ -249,7 +248,6 @@ class ShardIndex:
     # --- load-time recovery ------------------------------------------------------------------
     def _recover(self) -> dict:
         """Rebuild in-memory state from the store (the authority) after any stop, clean or not."""
-        self._id = self.store.store_id()
         lost = lost_writes(self.state_dir, self.store)
         if lost:
             # BM25 rows past the store's end show a lost upsert (check_lexical); a lost group of
@@ -721,7 +719,6 @@ class ShardIndex:
                         del counts[t]
                 if any(d is not None for d in deads):
                     self.index_version += 1
-                version = self.index_version
                 if applied_seq is not None:
                     self.applied_seq = max(self.applied_seq, applied_seq)
                 self.generation += 1
@@ -746,8 +743,10 @@ class ShardIndex:
         # full disk here made an applied write answer RESOURCE_EXHAUSTED, and its retry NOOP)
         if unexpected:  # the flip retired rows the staged commit did not delete (never expected)
             self._after_flip(lambda: self.lexical.delete_rows(unexpected))
-        if any(d is not None for d in deads):  # after the store's commit, never before it
-            self._after_flip(lambda: record_committed(self.state_dir, self._id, version))
+        last = next((e for e, d in zip(reversed(entries), reversed(deads)) if d is not None), None)
+        if last is not None:  # after the store's commit, never before it
+            self._after_flip(lambda: record_committed(self.state_dir, last.tenant, last.doc_id,
+                                                      last.version))
         self._after_flip(lambda: self.store.mark_purged(dead_rows))
         self._after_flip(lambda: self.check_lexical("after a write"))
         applied = {id(w) for w, flipped in zip(fresh, deads) if flipped is not None}

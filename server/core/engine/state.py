@@ -25,7 +25,6 @@ import shutil
 import sqlite3
 import stat
 import time
-import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -35,10 +34,11 @@ from server.errors import FailedPrecondition, IndexCorruptError, StorageFull, is
 log = logging.getLogger(__name__)
 
 READY = "STATE_READY"
-# the store's index version after the last write group it committed, written after each flip
-# (the store's commit is durable first: synchronous=FULL), so a store found behind it at load
-# lost committed writes (a removed or cut -wal); a crash before it is written leaves it behind
-COMMITTED = "COMMITTED_VERSION"
+# the last write the store committed, recorded after each flip (the store's commit is durable
+# first: synchronous=FULL): a store found without it at load lost committed writes (a removed or
+# cut -wal takes a suffix of its commits, the last among them); a crash before the record is
+# written leaves an earlier write there, which the store holds
+COMMITTED = "COMMITTED_WRITE"
 TANTIVY_LOCKS = (".tantivy-writer.lock", ".tantivy-meta.lock")
 
 
@@ -116,13 +116,6 @@ def _copy_store(src: Path, dst: Path) -> None:
     target = sqlite3.connect(str(dst))
     try:
         source.backup(target)
-        # the state's store has an id of its own (DocStore.store_id: its COMMITTED record names
-        # it), written before WAL mode, so into the main file a lost -wal leaves; a build made
-        # from another state's store (a compaction) must not pass that one's on
-        if target.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
-            target.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('store_id', ?)",
-                           (uuid.uuid4().hex,))
-            target.commit()
         target.execute("PRAGMA journal_mode=WAL")
     except sqlite3.DatabaseError as exc:  # truncated or overwritten: name the file, not a traceback
         if is_storage_full(exc) or ("disk I/O error" in str(exc) and _no_room(src, dst)):
@@ -270,26 +263,28 @@ def remove_states(state_root: Path, collection: str, build_ids) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def record_committed(state_shard: Path, store_id: str, index_version: int) -> None:
-    """The store's id and index version after a committed flip (COMMITTED), replaced whole."""
+def record_committed(state_shard: Path, tenant: str, doc_id: str, version: int) -> None:
+    """The last write a committed flip applied (COMMITTED), replaced whole."""
     tmp = state_shard / f".{COMMITTED}.tmp"
-    tmp.write_text(f"{store_id} {index_version}\n")
+    tmp.write_text(json.dumps({"tenant": tenant, "doc_id": doc_id, "version": version}) + "\n")
     os.replace(tmp, state_shard / COMMITTED)
 
 
 def lost_writes(state_shard: Path, store) -> Optional[str]:
-    """What the store lost, when it is behind what COMMITTED says it had committed; None when it
-    is not, when there is no record (a state no write has changed) or an unreadable one (a power
-    cut before it reached the disk: a lost record can only hide a loss, never invent one), or
-    when the record is another store's (a replica's store put in this one's place: index
-    versions count write groups, which differ between replicas)."""
+    """What the store lost, when it lacks the last write COMMITTED says it committed: that
+    document at that version or a later one (tombstones count). None when it holds it, when
+    there is no record (a state no write has changed) or an unreadable one (a power cut before
+    it reached the disk: a lost record can only hide a loss, never invent one). It asks about
+    content, not counts: a replica's store put in place holds the same writes in other groups."""
     try:
-        store_id, committed = (state_shard / COMMITTED).read_text().split()
-        committed = int(committed)
-    except (OSError, ValueError):
+        last = json.loads((state_shard / COMMITTED).read_text())
+        key, version = (str(last["tenant"]), str(last["doc_id"])), int(last["version"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    version = store.index_version()
-    if store_id != store.get_meta("store_id") or committed <= version:
+    held = store.documents_of([key]).get(key)
+    if held is not None and held[0] >= version:
         return None
-    return (f"the document store is at index version {version}, but it had committed version "
-            f"{committed} ({COMMITTED})")
+    return (f"the document store lacks the last write it had committed ({COMMITTED}: document "
+            f"{key[1]!r} of "
+            f"tenant {key[0]!r} at version {version}; the store holds "
+            f"{'no version' if held is None else f'version {held[0]}'})")
