@@ -106,7 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "%(default)s)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    a = sub.add_parser("audit", help="measure ANN recall@k against exact search; store it in the build")
+    a = sub.add_parser("audit", help="measure ANN recall@k against exact search; store it in the build",
+                       description="Measure the build's recall@k against exact search and "
+                                   "reconcile its counts across faiss, tantivy and SQLite, "
+                                   "including the writes servers applied to its state since (the "
+                                   "check to run after a crash). Run on a state no server is "
+                                   "writing to: a write in flight between the store and BM25 can "
+                                   "show as a passing mismatch.")
     _add_common(a)
     a.add_argument("--build", default=None, help="build id (default: the newest build)")
     a.add_argument("--k", type=_positive_int, default=10)
