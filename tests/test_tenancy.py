@@ -354,3 +354,27 @@ def test_admin_sees_its_own_tenant_and_only_operators_act_on_the_collection(mt_s
         again = admin.CollectionStats(pb.CollectionStatsRequest(collection="mt"),
                                       metadata=as_(who), timeout=10)
         assert bool(again.stages) == shown, who
+
+
+def test_the_query_embedding_cache_is_each_tenants_and_scopes_own(stub):
+    """Outside QA: the query-embedding cache was keyed by model and text alone, shared by every
+    tenant and by writes, and every response's timings show the embed stage (a hit ~1,000x
+    faster than a miss): one tenant confirmed another's query texts, and the text of another's
+    documents, by guessing them. Hits now come only from the caller's own tenant and scopes,
+    and passages written never enter the cache."""
+    from server.core import metrics
+
+    def misses(who, text):
+        before = metrics.labelled(metrics.EMBED_CACHE, "miss")._value.get()
+        search(stub, who, text=text, mode=pb.DENSE)
+        return metrics.labelled(metrics.EMBED_CACHE, "miss")._value.get() - before
+
+    assert misses("big", "zyxsecret merger plans of big") == 1
+    assert misses("big", "zyxsecret merger plans of big") == 0       # its own: a hit
+    assert misses("small", "zyxsecret merger plans of big") == 1     # another tenant: no hit
+    assert misses("acme", "zyxsecret merger plans of big") == 1
+    assert misses("acme-hr", "zyxsecret merger plans of big") == 1   # another scope set: no hit
+    written = "zyxsalary of alice is 900 dollars"
+    assert write(stub, "acme-writer", "upsert", "zz-payroll", 1, written).outcome == \
+        pb.WriteResponse.APPLIED
+    assert misses("small", written) == 1 and misses("acme", written) == 1

@@ -189,7 +189,8 @@ class QueryPipeline:
                 stats_round = asyncio.ensure_future(stats_round)
             try:
                 self._check_deadline(deadline, "embed")
-                await gather([self._embed(st, deadline) for st in to_embed])
+                # the embedding cache is the caller's tenant's and scopes' own (encoders.py)
+                await gather([self._embed(st, deadline, (tenant, acl_scopes)) for st in to_embed])
             except BaseException:
                 if stats_round is not None:
                     stats_round.cancel()
@@ -304,10 +305,10 @@ class QueryPipeline:
                 q.feedback_docs, q.feedback_weight, q.lexical_feedback_terms, q.dense_weight,
                 q.fusion)
 
-    async def _embed(self, st: _Query, deadline: Optional[float]) -> None:
+    async def _embed(self, st: _Query, deadline: Optional[float], partition: tuple) -> None:
         try:
             st.vector = await self.encoders.embed(st.q.text, st.coll.desc, deadline, st.notes,
-                                                  flow=st.flow)
+                                                  flow=st.flow, partition=partition)
         except SearchError as exc:
             st.error = exc
         except Exception as exc:  # this query fails alone; the batch's others answer
