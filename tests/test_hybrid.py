@@ -354,6 +354,31 @@ def test_a_tenants_bm25_scores_count_its_own_live_documents_only(tmp_path):
     assert stats.docs == 0 and all(d == 0 and t == 0 for _, d, t in stats.df)
 
 
+def test_expansion_terms_beside_collection_statistics_count_the_tenants_own_documents(tmp_path):
+    """Outside QA: on a collection of several shards the statistics round counts a query's own
+    terms; a feedback round's expansion terms then scored with tantivy's statistics, which
+    count every tenant's documents (and scopes the caller cannot read), so another tenant's
+    writes of an expansion term moved a caller's scores by 5-7%. They score with the tenant's
+    own live counts now, as the round's terms do."""
+    from server.backends.lexical import LexicalIndex
+
+    def row(i, tenant, word):
+        return (i, "t", f"wing {word} panel w{i % 7}", tenant, {}, ("@all",))
+
+    lex = LexicalIndex.create(tmp_path / "shard")
+    lex.add([row(i, "alpha", "thermal" if i % 3 else "flutter") for i in range(30)])
+    stats = lex.term_stats("wing", (), "alpha")  # the round's statistics: the query's own term
+
+    def scores():
+        s, r = lex.search("wing", 40, "alpha", expansion=[("thermal", 0.5)], stats=stats)
+        return dict(zip(r, s))
+
+    before = scores()
+    assert len(before) == 30
+    lex.add([row(100 + i, "beta", "thermal") for i in range(60)])  # another tenant writes
+    assert scores() == pytest.approx(before, rel=1e-5)
+
+
 def test_bm25_ranks_alike_whatever_the_shard_count(tmp_path, tiny_embedder):
     """Regression (outside QA): each shard scored BM25 with its own document frequencies, so a
     lexical ranking changed with the shard count (9 of 225 Cranfield top-10 lists agreed

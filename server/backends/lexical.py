@@ -514,6 +514,13 @@ class LexicalIndex:
         if stats is None:  # one shard: the tenant's own live statistics where they differ
             stats = self._scoped_stats(snap, tenant, [t for t, _ in weighted], hidden)
         shared = {} if stats is None else {t: (text_df, title_df) for t, text_df, title_df in stats.df}
+        # terms the given statistics lack (a feedback round's expansion terms: the statistics
+        # round counted the query's own) score with this shard's statistics of the tenant's
+        # live documents, never tantivy's, which count every tenant's and hidden ones (outside
+        # QA: another tenant's writes of an expansion term moved a caller's scores by 5-7%)
+        own_stats = self._scoped_stats(snap, tenant, [t for t, _ in weighted if t not in shared],
+                                       hidden) if stats is not None else None
+        own = {} if own_stats is None else {t: (a, b) for t, a, b in own_stats.df}
         Q, Occur = tantivy.Query, tantivy.Occur
         should = []
         for t, w in weighted:
@@ -521,10 +528,12 @@ class LexicalIndex:
             # query's own term frequency would; deduplicating lost it on long queries
             for j, field in enumerate(("text", "title")):
                 boost = w
-                if t in shared:  # score with the collection's idf, not this shard's own
+                given, n_docs = ((shared, stats.docs) if t in shared else
+                                 (own, own_stats.docs) if t in own else (None, 0))
+                if given is not None:  # score with those statistics' idf, not tantivy's own
                     df = searcher.doc_freq(field, t)
-                    if 0 < df <= docs and 0 < shared[t][j] <= stats.docs:  # else: this shard's own
-                        boost *= bm25_idf(shared[t][j], stats.docs) / bm25_idf(df, docs)
+                    if 0 < df <= docs and 0 < given[t][j] <= n_docs:  # else: this shard's own
+                        boost *= bm25_idf(given[t][j], n_docs) / bm25_idf(df, docs)
                 q = Q.term_query(self.schema, field, t)
                 should.append((Occur.Should, Q.boost_query(q, boost) if boost != 1.0 else q))
         restrict = []
