@@ -67,6 +67,9 @@ def find_leaks(address: str, collection: str, credentials: Sequence[dict],
 def main(args) -> int:
     """0: no sentinel came back; 1: a leak; 2 (through the CLI): the check could not run."""
     creds = json.loads(Path(args.credentials).read_text())
+    if not isinstance(creds, list) or not creds:  # (outside QA: [] checked nothing, passed)
+        raise ValueError(f"--credentials {args.credentials}: a non-empty JSON list of "
+                         '{"tenant": ..., "token": ...} is needed: no tenant, nothing checked')
     skipped: dict = {}
     queries, leaks = find_leaks(args.address, args.collection, creds, args.sentinel,
                                 skipped=skipped, tls=(args.tls_ca, args.tls_cert, args.tls_key))

@@ -154,6 +154,12 @@ def test_canary_check_command_passes(mt_server, tenant_build, tmp_path):
     leak = subprocess.run([a if a != str(tmp_path / "creds.json") else str(creds_self) for a in args],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert leak.returncode == 1 and "LEAK" in leak.stderr
+    # a check of no tenant checks nothing: it cannot pass (outside QA: [] exited 0)
+    creds_none = tmp_path / "none.json"
+    creds_none.write_text("[]")
+    none = subprocess.run([a if a != str(tmp_path / "creds.json") else str(creds_none) for a in args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert none.returncode == 2 and "nothing checked" in none.stderr
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -344,6 +350,9 @@ def test_admin_sees_its_own_tenant_and_only_operators_act_on_the_collection(mt_s
         # nor file sizes, which count rows (outside QA: (bytes - 128) / 8 of rows.npy), nor
         # the audit's sample size and timings (review: under 200 chunks, the sample is them all)
         assert not view["shard_files"] and whole["shard_files"]
+        # nor the held-out audit queries' file (outside QA: min(200, chunks) queries of a known
+        # width, so (bytes - 128) / (4 x dim) was a small build's chunk count)
+        assert view["audit_queries_file"] is None and whole["audit_queries_file"]["bytes"]
         assert "queries" in whole["audit"] and not {"queries", "ann_ms_per_query", "tuning"} & set(view["audit"])
         assert view["audit"]["recall"] == whole["audit"]["recall"]
     # the per-stage window counts every tenant's queries: an operator's view only (outside QA:
@@ -378,3 +387,37 @@ def test_the_query_embedding_cache_is_each_tenants_and_scopes_own(stub):
     assert write(stub, "acme-writer", "upsert", "zz-payroll", 1, written).outcome == \
         pb.WriteResponse.APPLIED
     assert misses("small", written) == 1 and misses("acme", written) == 1
+
+
+def test_an_unknown_collection_does_not_name_the_collections_served(stub):
+    """Outside QA: any caller, without a role, learned every collection's name from the
+    NOT_FOUND of a search on a name that does not exist (ListCollections needs the admin
+    role; tenants that must share nothing are given collections of their own)."""
+    with pytest.raises(grpc.RpcError) as err:
+        search(stub, "small", collection="no-such-collection", text="flow")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'mt'" not in err.value.details() and "ListCollections" in err.value.details()
+
+
+def test_a_token_removed_from_the_file_stops_working_without_a_restart(tmp_path):
+    """Outside QA: the token file was read once at start, so a revoked token kept searching and
+    writing until a restart. It is read again when it changes; a file changed into something
+    invalid keeps the tokens read before (and logs why) rather than locking everyone out."""
+    from server.errors import Unauthenticated
+    from server.transport.auth import TokenFileAuth
+
+    path = tmp_path / "tokens.json"
+    path.write_text(json.dumps({"tokens": [{"token": "keep-me", "tenant": "a"},
+                                           {"token": "revoke-me", "tenant": "b"}]}))
+    auth = TokenFileAuth(path)
+    auth.RECHECK_S = 0.0  # look at the file on every call (the server: at most once a second)
+    bearer = lambda token: (("authorization", f"Bearer {token}"),)
+    assert auth.authenticate(bearer("revoke-me")).tenant == "b"
+    path.write_text(json.dumps({"tokens": [{"token": "keep-me", "tenant": "a"}]}))
+    with pytest.raises(Unauthenticated):
+        auth.authenticate(bearer("revoke-me"))
+    assert auth.authenticate(bearer("keep-me")).tenant == "a"
+    path.write_text("{not json")  # half-written: the tokens read before stay in force
+    assert auth.authenticate(bearer("keep-me")).tenant == "a"
+    with pytest.raises(Unauthenticated):
+        auth.authenticate(bearer("revoke-me"))

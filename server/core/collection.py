@@ -101,8 +101,9 @@ class ReleaseDescriptor:
             self, tenants={tenant: own} if own else {},
             dedicated_tenants={s: [t for t in ts if t == tenant]
                                for s, ts in self.dedicated_tenants.items() if tenant in ts},
-            # file sizes count rows too (outside QA: (bytes - 128) / 8 of rows.npy per shard)
-            shard_counts={}, log_positions={}, shard_files={},
+            # file sizes count rows too (outside QA: (bytes - 128) / 8 of rows.npy per shard;
+            # the audit queries' file, min(200, chunks) of them, a small build's chunk count)
+            shard_counts={}, log_positions={}, shard_files={}, audit_queries_file=None,
             reconciliation=None if recon is None else {k: recon[k] for k in ("passed", "reconciled_at")
                                                        if k in recon},
             audit=None if self.audit is None else _audit_for_tenant(self.audit),

@@ -41,8 +41,10 @@ class CollectionRegistry:
             why = self._unloadable.get(name)
             if why is not None:
                 raise Unavailable(f"collection {name!r} is not serving: {why}")
-            raise NotFound(f"collection {name!r} is not served here "
-                           f"(serving: {sorted(self._by_name) or 'none'})")
+            # not the names of those served: any caller, of any tenant, gets this answer, and
+            # collections are how tenants that must share nothing are kept apart (outside QA)
+            raise NotFound(f"collection {name!r} is not served here (AdminService."
+                           f"ListCollections, with the admin role, names those that are)")
         return loaded
 
     def put(self, loaded: LoadedCollection) -> None:

@@ -5,7 +5,8 @@ request field, so no request can name, widen or wildcard its tenant.
 - `TokenFileAuth`: `authorization: Bearer <token>` looked up in a JSON file of token hashes:
     {"tokens": [{"sha256": "<hex sha256 of the token>", "tenant": "acme",
                  "acl": ["eng", "hr"], "roles": ["write", "admin"]}, ...]}
-  ("token": "<plain token>" is accepted in place of "sha256" for development files.)
+  ("token": "<plain token>" is accepted in place of "sha256" for development files.) The file
+  is read again when it changes: a token removed from it stops working within a second.
 Any verifier with `authenticate(metadata) -> Principal` plugs in (e.g. JWT or mTLS identity).
 Roles gate operations:
 - "write": UpsertDocument / DeleteDocument (within the caller's tenant);
@@ -18,12 +19,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from server.core.collection import NAME
 from server.errors import PermissionDenied, Unauthenticated
+
+log = logging.getLogger(__name__)
 
 ROLES = ("write", "admin", "operator")
 
@@ -68,29 +74,71 @@ class AnonymousAuth:
         return self.principal
 
 
+def _read_tokens(path: Path) -> dict[str, Principal]:
+    """The token file: sha256 of each token -> its principal. ValueError (or OSError) naming
+    the entry when it is not valid."""
+    data = json.loads(path.read_text())
+    by_hash: dict[str, Principal] = {}
+    for i, entry in enumerate(data.get("tokens", [])):
+        where = f"{path} tokens[{i}]"
+        digest = entry.get("sha256") or (
+            hashlib.sha256(entry["token"].encode()).hexdigest() if entry.get("token") else None)
+        if not digest:
+            raise ValueError(f"{where}: needs sha256 (or token)")
+        acl = tuple(sorted(str(a) for a in entry.get("acl", [])))
+        for scope in acl:
+            if not NAME.match(scope):
+                raise ValueError(f"{where}: ACL scope {scope!r} must match {NAME.pattern}")
+        roles = frozenset(entry.get("roles", []))
+        if roles - set(ROLES):
+            raise ValueError(f"{where}: unknown roles {sorted(roles - set(ROLES))}")
+        by_hash[digest.lower()] = Principal(_check_tenant(entry.get("tenant"), where), acl, roles)
+    if not by_hash:
+        raise ValueError(f"{path}: no tokens configured")
+    return by_hash
+
+
 class TokenFileAuth:
+    """Callers by bearer token, from a JSON file. The file is read again when it changes (its
+    size, modification time or inode, looked at most once a second): a token removed from it
+    stops working within a second, with no restart (outside QA: a revoked token kept working
+    until one). A file that changes into something unreadable or invalid keeps the tokens read
+    before, and says so in the log, until it is fixed."""
+
+    RECHECK_S = 1.0
+
     def __init__(self, path: Path):
         self.path = Path(path)
-        data = json.loads(self.path.read_text())
-        self._by_hash: dict[str, Principal] = {}
-        for i, entry in enumerate(data.get("tokens", [])):
-            where = f"{self.path} tokens[{i}]"
-            digest = entry.get("sha256") or (
-                hashlib.sha256(entry["token"].encode()).hexdigest() if entry.get("token") else None)
-            if not digest:
-                raise ValueError(f"{where}: needs sha256 (or token)")
-            acl = tuple(sorted(str(a) for a in entry.get("acl", [])))
-            for scope in acl:
-                if not NAME.match(scope):
-                    raise ValueError(f"{where}: ACL scope {scope!r} must match {NAME.pattern}")
-            roles = frozenset(entry.get("roles", []))
-            if roles - set(ROLES):
-                raise ValueError(f"{where}: unknown roles {sorted(roles - set(ROLES))}")
-            self._by_hash[digest.lower()] = Principal(_check_tenant(entry.get("tenant"), where), acl, roles)
-        if not self._by_hash:
-            raise ValueError(f"{self.path}: no tokens configured")
+        self._seen = self._stamp()
+        self._by_hash = _read_tokens(self.path)
+        self._checked = time.monotonic()
+
+    def _stamp(self):
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < self.RECHECK_S:
+            return
+        self._checked = now
+        stamp = self._stamp()
+        if stamp == self._seen:
+            return
+        self._seen = stamp
+        try:
+            self._by_hash = _read_tokens(self.path)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.error("token file %s changed but cannot be read (%s): the tokens read before "
+                      "stay in force until it is fixed", self.path, exc)
+        else:
+            log.info("token file %s read again: %d tokens", self.path, len(self._by_hash))
 
     def authenticate(self, metadata) -> Principal:
+        self._maybe_reload()
         values = [v for k, v in (metadata or ()) if k == "authorization"]
         if len(values) != 1:
             raise Unauthenticated("send exactly one 'authorization: Bearer <token>' metadata entry")
