@@ -518,8 +518,8 @@ class LexicalIndex:
         # round counted the query's own) score with this shard's statistics of the tenant's
         # live documents, never tantivy's, which count every tenant's and hidden ones (outside
         # QA: another tenant's writes of an expansion term moved a caller's scores by 5-7%)
-        own_stats = self._scoped_stats(snap, tenant, [t for t, _ in weighted if t not in shared],
-                                       hidden) if stats is not None else None
+        unshared = [t for t, _ in weighted if t not in shared] if stats is not None else []
+        own_stats = self._scoped_stats(snap, tenant, unshared, hidden) if unshared else None
         own = {} if own_stats is None else {t: (a, b) for t, a, b in own_stats.df}
         Q, Occur = tantivy.Query, tantivy.Occur
         should = []
