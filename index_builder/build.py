@@ -116,7 +116,7 @@ def _own_vectors(documents: list[Document], vectors: Optional[np.ndarray],
             raise ValueError(f"document {odd.doc_id!r} has a vector of dimension {len(odd.vector)} "
                              f"and document {documents[0].doc_id!r} one of {dim}: give every "
                              "document a vector of one dimension")
-        flag = next((d for d in documents if bool in set(map(type, d.vector))), None)
+        flag = next((d for d in documents if {bool, np.bool_} & set(map(type, d.vector))), None)
         if flag is not None:  # numpy would read True as 1.0 among floats (the reader refuses it)
             raise ValueError(f"document {flag.doc_id!r} has a vector holding booleans: give numbers")
         vectors = np.asarray(given)  # numbers as given (an all-boolean list stays bool)

@@ -258,7 +258,9 @@ def _print_response(resp: pb.SearchResponse, collection: str, trace: bool) -> No
           f"(model {resp.model_id}, corpus {resp.corpus_version})")
     # the retrievers the query used (their stages are timed): a hit's rank in each, "-" where
     # one did not find it; a lexical query's hits say nothing of a dense list
-    used = [name for name in ("dense", "lexical") if any(t.stage == name for t in resp.timings)]
+    used = ([name for name in ("dense", "lexical") if any(t.stage == name for t in resp.timings)]
+            # a retrieval-cache hit times only "cache": then the retrievers its hits name
+            or [name for name in ("dense", "lexical") if any(h.HasField(name) for h in resp.hits)])
     for i, h in enumerate(resp.hits, 1):
         kind = pb.ScoreKind.Name(h.score_kind).lower()
         ranks = " ".join(f"{name} #{getattr(h, name).rank or '-'}" for name in used)

@@ -104,7 +104,8 @@ class ModelConfig:
     batch_max_wait_ms: float = opt(2.0, "a model batch closes this long after its first item")
     embed_max_tokens: int = opt(16384, "tokens per embedding batch", minimum=1)
     rerank_max_tokens: int = opt(32768, "tokens per reranking batch", minimum=1)
-    embedding_cache_size: int = opt(4096, "query embeddings kept (by model id and text)")
+    embedding_cache_size: int = opt(4096, "query embeddings kept (by model id, the caller's "
+                                          "tenant and scopes, and text)")
 
     def max_batch(self, cuda: bool) -> int:
         return self.batch_max_size or (64 if cuda else 16)

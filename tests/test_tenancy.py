@@ -421,3 +421,19 @@ def test_a_token_removed_from_the_file_stops_working_without_a_restart(tmp_path)
     assert auth.authenticate(bearer("keep-me")).tenant == "a"
     with pytest.raises(Unauthenticated):
         auth.authenticate(bearer("revoke-me"))
+    # review: an invalid entry beside a revocation must not keep the revoked token (the valid
+    # entries take effect), and an empty list locks every caller out
+    path.write_text(json.dumps({"tokens": [{"token": "new", "tenant": "c"},
+                                           {"token": "bad", "tenant": "c", "roles": ["root"]}]}))
+    assert auth.authenticate(bearer("new")).tenant == "c"
+    for gone in ("keep-me", "bad"):
+        with pytest.raises(Unauthenticated):
+            auth.authenticate(bearer(gone))
+    path.write_text(json.dumps({"tokens": []}))
+    with pytest.raises(Unauthenticated):
+        auth.authenticate(bearer("new"))
+    # the same size, at once: told apart by its bytes, not its modification time
+    path.write_text(json.dumps({"tokens": [{"token": "aaaa", "tenant": "d"}]}))
+    assert auth.authenticate(bearer("aaaa")).tenant == "d"
+    path.write_text(json.dumps({"tokens": [{"token": "bbbb", "tenant": "d"}]}))
+    assert auth.authenticate(bearer("bbbb")).tenant == "d"

@@ -74,7 +74,7 @@ class Encoders:
 
     async def embed(self, text: str, desc: ReleaseDescriptor, deadline: Optional[float] = None,
                     notes: Optional[list[str]] = None, background: bool = False,
-                    flow: object = None, partition: tuple = ()) -> np.ndarray:
+                    flow: object = None, *, partition: tuple) -> np.ndarray:
         """A query's vector, through the cache and the micro-batcher; `flow`: the request it is
         part of (batcher.py). The cache's key is the model id, `partition` - the caller's tenant
         and ACL scopes - and sha256 of the text: a hit is ~1,000x faster than a miss, and the

@@ -20,7 +20,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,68 +73,89 @@ class AnonymousAuth:
         return self.principal
 
 
-def _read_tokens(path: Path) -> dict[str, Principal]:
-    """The token file: sha256 of each token -> its principal. ValueError (or OSError) naming
-    the entry when it is not valid."""
-    data = json.loads(path.read_text())
+def _entry(entry, where: str) -> tuple[str, Principal]:
+    """(sha256 of the token, its principal); ValueError naming the entry when it is not valid."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: an object is expected")
+    digest = entry.get("sha256") or (
+        hashlib.sha256(str(entry["token"]).encode()).hexdigest() if entry.get("token") else None)
+    if not digest:
+        raise ValueError(f"{where}: needs sha256 (or token)")
+    acl = tuple(sorted(str(a) for a in entry.get("acl", [])))
+    for scope in acl:
+        if not NAME.match(scope):
+            raise ValueError(f"{where}: ACL scope {scope!r} must match {NAME.pattern}")
+    roles = frozenset(entry.get("roles", []))
+    if roles - set(ROLES):
+        raise ValueError(f"{where}: unknown roles {sorted(roles - set(ROLES))}")
+    return str(digest).lower(), Principal(_check_tenant(entry.get("tenant"), where), acl, roles)
+
+
+def _read_tokens(path: Path, text: str, strict: bool = True) -> dict[str, Principal]:
+    """The token file's text: sha256 of each token -> its principal. `strict` (at start): any
+    invalid entry, or none at all, is a ValueError naming it. Not strict (a file read again):
+    the valid entries take effect and the others are logged and left out - a token removed
+    from a file that parses never survives it - and an empty list locks every caller out.
+    Text that is not the file's JSON object is a ValueError either way."""
+    data = json.loads(text)
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    if not isinstance(tokens, list):
+        raise ValueError(f'{path}: a JSON object with a "tokens" list is expected')
     by_hash: dict[str, Principal] = {}
-    for i, entry in enumerate(data.get("tokens", [])):
-        where = f"{path} tokens[{i}]"
-        digest = entry.get("sha256") or (
-            hashlib.sha256(entry["token"].encode()).hexdigest() if entry.get("token") else None)
-        if not digest:
-            raise ValueError(f"{where}: needs sha256 (or token)")
-        acl = tuple(sorted(str(a) for a in entry.get("acl", [])))
-        for scope in acl:
-            if not NAME.match(scope):
-                raise ValueError(f"{where}: ACL scope {scope!r} must match {NAME.pattern}")
-        roles = frozenset(entry.get("roles", []))
-        if roles - set(ROLES):
-            raise ValueError(f"{where}: unknown roles {sorted(roles - set(ROLES))}")
-        by_hash[digest.lower()] = Principal(_check_tenant(entry.get("tenant"), where), acl, roles)
-    if not by_hash:
+    for i, entry in enumerate(tokens):
+        try:
+            digest, principal = _entry(entry, f"{path} tokens[{i}]")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if strict:
+                raise ValueError(str(exc)) from None
+            log.error("token file %s: %s: left out", path, exc)
+            continue
+        by_hash[digest] = principal
+    if not by_hash and strict:
         raise ValueError(f"{path}: no tokens configured")
     return by_hash
 
 
 class TokenFileAuth:
-    """Callers by bearer token, from a JSON file. The file is read again when it changes (its
-    size, modification time or inode, looked at most once a second): a token removed from it
-    stops working within a second, with no restart (outside QA: a revoked token kept working
-    until one). A file that changes into something unreadable or invalid keeps the tokens read
-    before, and says so in the log, until it is fixed."""
+    """Callers by bearer token, from a JSON file. The file is read again at most once a second
+    (a small file: its bytes are compared, not its modification time, which moves in coarse
+    ticks) and takes effect when it changed: a token removed from it stops working within a
+    second, with no restart (outside QA: a revoked token kept working until one). Changed
+    entries that are not valid are left out (logged); an empty list locks every caller out.
+    Only a file that does not parse at all (half-written, garbled) keeps the tokens read before,
+    logged at every look until it parses."""
 
     RECHECK_S = 1.0
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._seen = self._stamp()
-        self._by_hash = _read_tokens(self.path)
+        raw = self.path.read_bytes()
+        self._by_hash = _read_tokens(self.path, raw.decode())
+        self._seen = hashlib.sha256(raw).digest()
         self._checked = time.monotonic()
-
-    def _stamp(self):
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def _maybe_reload(self) -> None:
         now = time.monotonic()
         if now - self._checked < self.RECHECK_S:
             return
         self._checked = now
-        stamp = self._stamp()
-        if stamp == self._seen:
-            return
-        self._seen = stamp
         try:
-            self._by_hash = _read_tokens(self.path)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.error("token file %s changed but cannot be read (%s): the tokens read before "
-                      "stay in force until it is fixed", self.path, exc)
-        else:
-            log.info("token file %s read again: %d tokens", self.path, len(self._by_hash))
+            raw = self.path.read_bytes()
+        except OSError as exc:  # moved away for a moment, say: the tokens read before stand
+            log.error("token file %s cannot be read (%s): the tokens read before stay in force",
+                      self.path, exc)
+            return
+        seen = hashlib.sha256(raw).digest()
+        if seen == self._seen:
+            return
+        try:
+            by_hash = _read_tokens(self.path, raw.decode(), strict=False)
+        except (ValueError, UnicodeDecodeError) as exc:  # not yet whole: looked at again
+            log.error("token file %s changed but does not parse (%s): the tokens read before "
+                      "stay in force until it does", self.path, exc)
+            return
+        self._by_hash, self._seen = by_hash, seen
+        log.info("token file %s read again: %d tokens", self.path, len(by_hash))
 
     def authenticate(self, metadata) -> Principal:
         self._maybe_reload()

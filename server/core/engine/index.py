@@ -782,16 +782,27 @@ class ShardIndex:
             (self.states["dead"] + self.states["orphan"]) / total)
 
     def close(self) -> None:
-        """Give back what the shard holds (also a shard whose load failed part way)."""
+        """Give back what the shard holds (also a shard whose load failed part way): each part
+        on its own, the state's lock last and whatever else failed (review: a damaged BM25
+        index that raised on close kept the lock)."""
         dense = getattr(self, "dense", None)
-        for index in ((dense, *getattr(self, "tenant_dense", {}).values()) if dense else ()):
-            index.close()  # device memory goes back now, not when the last reference dies
-        for part in (getattr(self, "lexical", None), getattr(self, "store", None)):
-            if part is not None:
-                part.close()
-        if self._lock is not None:
-            self._lock.close()  # releases the flock
-            self._lock = None
+        parts = [*((dense, *getattr(self, "tenant_dense", {}).values()) if dense else ()),
+                 getattr(self, "lexical", None), getattr(self, "store", None)]
+        first: Optional[BaseException] = None
+        try:
+            for part in parts:  # device memory goes back now, not when the last reference dies
+                if part is None:
+                    continue
+                try:
+                    part.close()
+                except Exception as exc:  # noqa: BLE001 - the others still close; raised after
+                    first = first or exc
+        finally:
+            if self._lock is not None:
+                self._lock.close()  # releases the flock
+                self._lock = None
+        if first is not None:
+            raise first
 
 
 def crash_point(name: str) -> None:
