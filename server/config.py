@@ -59,12 +59,13 @@ class ListenConfig:
     max_inflight: int = opt(256, "admission control: searches and batches beyond this many in "
                                  "flight get RESOURCE_EXHAUSTED at once (writes have a budget of "
                                  "this size of their own; a shard server counts routers' queries "
-                                 "against this plus --max-inflight-batched-queries)", minimum=1)
+                                 "against this plus --max-inflight-batched-queries; with serve "
+                                 "--workers N, each front end admits this many)", minimum=1)
     max_inflight_batched_queries: int = opt(
         2048, "admission control by cost: a multi-query request (SearchBatch; a router's shard "
               "call) that would bring the queries of such requests in flight past this many gets "
               "RESOURCE_EXHAUSTED; single searches are never refused by it, so batches cannot "
-              "starve them", minimum=1)
+              "starve them (with serve --workers N, each front end's own)", minimum=1)
     default_deadline_s: float = opt(30.0, "a search that brings no deadline gets this one (0 = "
                                           "none): a hung shard cannot hold it for ever")
     tls_cert: Optional[Path] = opt(None, "PEM certificate chain: serve TLS")

@@ -246,3 +246,49 @@ def test_a_front_end_still_connecting_stops_when_its_engine_dies(tmp_path, small
     while subprocess.run(["kill", "-0", str(child)], capture_output=True).returncode == 0:
         assert time.monotonic() < deadline, "the front end outlived its engine"
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize("before, after", [(2, 3), (3, 2)])
+def test_a_write_routed_for_the_build_before_a_switch_lands_where_the_live_build_places_it(
+        tmp_path, tiny_embedder, cranfield_docs, before, after):
+    """Outside QA: with --workers, a front end routes a write by its own descriptor and the
+    engine applied it to that shard number of whatever build was live. Writes in flight while a
+    publish changed 2 shards to 3 were stored on the old layout's shard, so their deletes (routed
+    by the new layout) missed them and deleted documents came back; 3 -> 2 failed with an
+    IndexError. The engine now places a write routed for another build by the live build."""
+    import asyncio
+
+    from conftest import publish_build
+    from server.core.chunking import shard_of
+    from server.core.types import WriteRequest
+    from server.transport.engine_link import EngineServer
+
+    old = publish_build(tmp_path, "sw", cranfield_docs[:30], tiny_embedder, shards=before)
+    live = publish_build(tmp_path, "sw", cranfield_docs[:30], tiny_embedder, shards=after)
+    srv = start_core_server(tmp_path, tiny_embedder)
+    try:
+        engine = EngineServer(srv.core, str(tmp_path / "unused.sock"), 1)
+
+        def run(coro):
+            return asyncio.run_coroutine_threadsafe(coro, srv.loop).result(60)
+
+        coll = srv.core.registry.get("sw")
+        assert coll.desc.build_id == live.build_id
+        doc_ids = [f"moved-{i}" for i in range(12)]
+        for i, doc_id in enumerate(doc_ids):
+            # each as a front end still on the old build would send it: that layout's shard
+            stale_shard = shard_of("default", doc_id, before)
+            w = WriteRequest("upsert", "sw", doc_id, 1, f"zyxmoved{i} panel")
+            sw = run(srv.core.writes.shard_write(w, "default", coll.desc))
+            (outcome,) = run(engine._handle("apply", ("sw", old.build_id, stale_shard, [sw], None)))
+            assert outcome.outcome == "applied"
+        moved = 0
+        for doc_id in doc_ids:
+            home = shard_of("default", doc_id, after)
+            moved += home != shard_of("default", doc_id, before)
+            for shard in coll.shards:
+                held = shard.index.store.documents_of([("default", doc_id)])
+                assert bool(held) == (shard.shard_no == home), (doc_id, shard.shard_no, home)
+        assert moved  # some of them do change shards between the layouts
+    finally:
+        srv.stop()

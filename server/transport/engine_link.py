@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from server.config import ServerConfig
+from server.core.chunking import shard_of
 from server.core.registry import LoadedCollection
 from server.core.types import FetchRequest, ShardQuery, ShardWrite
 from server.errors import SearchError, Unavailable
@@ -83,9 +84,12 @@ class EngineServer:
             collection, shard_no, request, timeout = args
             return await self._shard(collection, request.build_id, shard_no).fetch(request, timeout)
         if op == "apply":
-            collection, shard_no, writes, timeout = args
-            async with core.writes.gate(collection).writing():
-                return await core.registry.get(collection).shards[shard_no].apply(writes, timeout)
+            collection, build_id, shard_no, writes, timeout = args
+            async with core.writes.gate(collection).writing():  # a switch waits for it, or it
+                live = core.registry.get(collection)              # for the switch
+                if live.desc.build_id == build_id:
+                    return await live.shards[shard_no].apply(writes, timeout)
+                return await _apply_to_live(live, build_id, writes, timeout)
         if op == "info":
             collection, shard_no, tenant, digest = args
             return await core.registry.get(collection).shards[shard_no].info(tenant, digest)
@@ -263,14 +267,40 @@ class EngineClient:
             self._reader_task.cancel()
 
 
+async def _apply_to_live(live, build_id: str, writes: Sequence[ShardWrite],
+                         timeout: Optional[float]) -> list:
+    """Writes a front end routed for `build_id` while the engine switched the collection to
+    `live` (the front end hears of the switch a moment later): each goes to the shard the live
+    build places it on - a shard count that changed places documents elsewhere (outside QA:
+    writes in flight during a 2 -> 3 shard publish were stored on the old layout's shard, so
+    their deletes missed them and deleted documents came back; 3 -> 2 failed with an
+    IndexError). Vectors embedded for another model than the live build's are refused."""
+    desc = live.desc
+    for w in writes:
+        if w.op == "upsert" and w.model_id and w.model_id != desc.model_id:
+            raise Unavailable(f"collection {desc.collection!r} switched from build {build_id} to "
+                              f"{desc.build_id} (model {desc.model_id!r}) while this write, "
+                              f"embedded with {w.model_id!r}, was on its way: send it again")
+    by_shard: dict[int, list[int]] = {}
+    for i, w in enumerate(writes):
+        by_shard.setdefault(shard_of(w.tenant, w.doc_id, desc.shards), []).append(i)
+    out: list = [None] * len(writes)
+    for shard_no, idx in by_shard.items():
+        for i, outcome in zip(idx, await live.shards[shard_no].apply([writes[i] for i in idx],
+                                                                      timeout)):
+            out[i] = outcome
+    return out
+
+
 class EngineShard:
     """The shard interface, answered by the engine process. Queries submitted in one event-loop
     turn (concurrent requests of this front end) go to the engine as one message."""
 
-    def __init__(self, client: EngineClient, collection: str, shard_no: int):
+    def __init__(self, client: EngineClient, collection: str, shard_no: int, build_id: str = ""):
         self.client = client
         self.collection = collection
         self.shard_no = shard_no
+        self.build_id = build_id  # the build this front end routes writes for
         self._pending: list[tuple[ShardQuery, asyncio.Future]] = []
         self._timeout: Optional[float] = None
 
@@ -339,7 +369,9 @@ class EngineShard:
         return await self.client.call("fetch", self.collection, self.shard_no, request, timeout)
 
     async def apply(self, writes: Sequence[ShardWrite], timeout: Optional[float] = None) -> list:
-        return await self.client.call("apply", self.collection, self.shard_no, list(writes), timeout)
+        # the build it was routed for: the engine may have switched since (engine_link._apply_to_live)
+        return await self.client.call("apply", self.collection, self.build_id, self.shard_no,
+                                      list(writes), timeout)
 
     async def info(self, tenant: Optional[str] = None, digest: bool = False,
                    timeout: Optional[float] = None):
@@ -354,7 +386,7 @@ def _attach(core, client: EngineClient, desc_json: str) -> None:
     from server.core.collection import ReleaseDescriptor
 
     desc = ReleaseDescriptor.from_json(desc_json, Path(client.path))
-    core.attach(LoadedCollection(desc, [EngineShard(client, desc.collection, i)
+    core.attach(LoadedCollection(desc, [EngineShard(client, desc.collection, i, desc.build_id)
                                         for i in range(desc.shards)], direct_writes=True))
 
 
