@@ -92,7 +92,11 @@ class EngineServer:
                 return await _apply_to_live(live, build_id, writes, timeout)
         if op == "info":
             collection, shard_no, tenant, digest = args
-            return await core.registry.get(collection).shards[shard_no].info(tenant, digest)
+            shards = core.registry.get(collection).shards
+            if shard_no >= len(shards):  # a front end a switch to fewer shards has not reached
+                raise Unavailable(f"collection {collection!r} has switched to a build of "
+                                  f"{len(shards)} shards: ask again")
+            return await shards[shard_no].info(tenant, digest)
         if op == "collections":
             return [c.desc.to_json() for c in core.registry]
         if op == "unloadable":  # collections whose build failed to load, and why
