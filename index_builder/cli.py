@@ -474,19 +474,25 @@ def model_change_refusal(state_root: Path, collection: str, desc) -> Optional[st
             f"{desc.model_id!r}.")
 
 
+def _flip(args, store, build_id: str, command: str, done: str, **publish) -> int:
+    """Publish `build_id` (publish, rollback): refused while the servers' state holds streaming
+    writes of another model, unless --allow-model-change."""
+    refusal = None if args.allow_model_change else model_change_refusal(
+        args.state_dir or Path(args.data_dir) / ".state", args.collection,
+        store.descriptor(args.collection, build_id))
+    if refusal:
+        print(f"index-builder {command}: error: {refusal}", file=sys.stderr)
+        return 2
+    alias = store.publish(args.collection, build_id, **publish)
+    print(f"{done}: {args.collection} -> {alias['live']} (previous: {alias['previous']})")
+    return 0
+
+
 def cmd_publish(args) -> int:
     from server.core.collection import CollectionStore
 
-    store = CollectionStore(args.data_dir)
-    refusal = None if args.allow_model_change else model_change_refusal(
-        args.state_dir or Path(args.data_dir) / ".state", args.collection,
-        store.descriptor(args.collection, args.build))
-    if refusal:
-        print(f"index-builder publish: error: {refusal}", file=sys.stderr)
-        return 2
-    alias = store.publish(args.collection, args.build, min_recall=args.min_recall)
-    print(f"published: {args.collection} -> {alias['live']} (previous: {alias['previous']})")
-    return 0
+    return _flip(args, CollectionStore(args.data_dir), args.build, "publish", "published",
+                 min_recall=args.min_recall)
 
 
 def cmd_rollback(args) -> int:
@@ -501,15 +507,7 @@ def cmd_rollback(args) -> int:
         print(f"index-builder rollback: error: collection {args.collection!r} {why}",
               file=sys.stderr)
         return 2
-    refusal = None if args.allow_model_change else model_change_refusal(
-        args.state_dir or Path(args.data_dir) / ".state", args.collection,
-        store.descriptor(args.collection, previous))
-    if refusal:
-        print(f"index-builder rollback: error: {refusal}", file=sys.stderr)
-        return 2
-    alias = store.publish(args.collection, previous, expect_live=live)
-    print(f"rolled back: {args.collection} -> {alias['live']} (previous: {alias['previous']})")
-    return 0
+    return _flip(args, store, previous, "rollback", "rolled back", expect_live=live)
 
 
 def cmd_list(args) -> int:

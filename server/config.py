@@ -411,11 +411,12 @@ def add_flags(parser: argparse.ArgumentParser, command: str, role: str = "serve"
     parser.add_argument("--config", type=Path, default=None,
                         help="TOML configuration file (see `search-server config --print`)")
     types = _section_types()
-    defaults = default_config(command if command != "config" else role)
+    runs = command if command != "config" else role  # the role whose defaults and flags these are
+    defaults = default_config(runs)
     for sec in COMMAND_SECTIONS[command]:
         group = parser.add_argument_group(sec)
         for f in fields(types[sec]):
-            if (sec, f.name) in UNUSED[command if command != "config" else role]:
+            if (sec, f.name) in UNUSED[runs]:
                 continue
             annotation = _field_types(types[sec])[f.name]
             base = _base_type(annotation)

@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Optional
 
 
+ROLES = ("serve", "shard", "router")  # whose configuration `config --role` prints
+
+
 def build_parser(internal: bool = False, config_role: str = "serve") -> argparse.ArgumentParser:
     """The command line; `internal` adds `frontend`, which `serve --workers N` starts itself (so a
     user's typo is never offered it). `config_role`: the role `config --role` names (its short
@@ -40,7 +43,7 @@ def build_parser(internal: bool = False, config_role: str = "serve") -> argparse
                                             "fuse, rerank"), "router")
     c = sub.add_parser("config", help="print the effective configuration as TOML")
     c.add_argument("--print", action="store_true", help="print it (the default)")
-    c.add_argument("--role", choices=("serve", "shard", "router"), default="serve",
+    c.add_argument("--role", choices=ROLES, default="serve",
                    help="whose configuration: its defaults differ (a shard listens on 50061) "
                         "(default %(default)s)")
     add_flags(c, "config", config_role)
@@ -97,7 +100,7 @@ def main(argv=None) -> None:
     role = "serve"
     if argv[:1] == ["config"]:  # the role decides what config's short flags mean
         pre = argparse.ArgumentParser(add_help=False)
-        pre.add_argument("--role", choices=("serve", "shard", "router"), default="serve")
+        pre.add_argument("--role", choices=ROLES, default="serve")
         role = pre.parse_known_args(argv[1:])[0].role
     args = build_parser(internal=argv[:1] == ["frontend"], config_role=role).parse_args(argv)
     if args.command == "health":

@@ -73,8 +73,8 @@ class Encoders:
         return list(zip(vectors, counts))
 
     async def embed(self, text: str, desc: ReleaseDescriptor, deadline: Optional[float] = None,
-                    notes: Optional[list[str]] = None, background: bool = False,
-                    flow: object = None, *, partition: tuple) -> np.ndarray:
+                    notes: Optional[list[str]] = None, flow: object = None, *,
+                    partition: tuple) -> np.ndarray:
         """A query's vector, through the cache and the micro-batcher; `flow`: the request it is
         part of (batcher.py). The cache's key is the model id, `partition` - the caller's tenant
         and ACL scopes - and sha256 of the text: a hit is ~1,000x faster than a miss, and the
@@ -91,7 +91,7 @@ class Encoders:
         else:
             metrics.labelled(metrics.EMBED_CACHE, "miss").inc()
             vec, tokens = await self.embed_batcher.submit(text, self._estimate(text), deadline,
-                                                          background, flow)
+                                                          False, flow)
         if tokens is not None and tokens > self.embedder.max_length and notes is not None:
             notes.append(f"query has {tokens} tokens; embedded its first {self.embedder.max_length}")
         if cached is not None:
