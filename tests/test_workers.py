@@ -290,8 +290,16 @@ def test_a_write_routed_for_the_build_before_a_switch_lands_where_the_live_build
                 held = shard.index.store.documents_of([("default", doc_id)])
                 assert bool(held) == (shard.shard_no == home), (doc_id, shard.shard_no, home)
         assert moved  # some of them do change shards between the layouts
+        # one embedded for another model than the live build's is refused, not stored
+        from dataclasses import replace as _replace
+
+        from server.errors import Unavailable
+        w = WriteRequest("upsert", "sw", "other-model", 1, "zyxother panel")
+        sw = _replace(run(srv.core.writes.shard_write(w, "default", coll.desc)), model_id="m-old@1")
+        with pytest.raises(Unavailable, match="embedded with 'm-old@1'"):
+            run(engine._handle("apply", ("sw", old.build_id, 0, [sw], None)))
+        assert not any(s.index.store.documents_of([("default", "other-model")]) for s in coll.shards)
         if after < before:  # a stale front end's description of a shard that is gone
-            from server.errors import Unavailable
             with pytest.raises(Unavailable, match="switched to a build of 2 shards"):
                 run(engine._handle("info", ("sw", before - 1, None, False)))
     finally:
