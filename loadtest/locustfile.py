@@ -1,6 +1,6 @@
 """Locust load test of SearchService.Search over gRPC, for those who want Locust's UI or workers.
 
-Each user holds one gRPC channel and calls Search at a constant throughput (SEARCH_RATE_PER_USER
+Each user holds one gRPC channel and calls Search at a constant throughput (LOADTEST_RATE_PER_USER
 requests per second, Locust's `constant_throughput` wait): still a closed loop per user, so a
 stalled server slows the users down, and Locust's percentiles are rounded buckets (2 significant
 digits). For exact, coordinated-omission-corrected tails use loadtest/openloop.py.
@@ -10,19 +10,21 @@ Every RPC goes through `LocustInterceptor`, which fires Locust's `request` event
 a failure. `grpc.experimental.gevent.init_gevent()` runs after Locust's monkey-patching (importing
 locust does it) and before any channel exists, so a blocked call does not stall every user.
 
-At exit the final statistics are written to <--csv prefix>_final_stats.csv: Locust rewrites its
-own _stats.csv once a second and not at exit, so that file misses the last second.
+At exit the final statistics and failures are written to <--csv prefix>_final_stats.csv and
+_final_failures.csv: Locust rewrites its own CSVs once a second and not at exit, so those miss
+the last second.
 
-Configuration (environment variables; loadtest/run.py --locust sets them):
-    SEARCH_TARGET         host:port (default 127.0.0.1:50051; --host overrides it)
-    SEARCH_COLLECTION     collection (default stdlib, the demo collection)
-    SEARCH_MODE           hybrid | dense | lexical (default hybrid)
-    SEARCH_TOP_K          hits per request (default 10)
-    SEARCH_QUERIES        queries.jsonl or one query per line (default: the built-in demo queries
+Configuration (environment variables; loadtest/run.py --locust sets them; LOADTEST_, not the
+server's SEARCH_ prefix, so exporting them never configures a server started from that shell):
+    LOADTEST_TARGET         host:port (default 127.0.0.1:50051; --host overrides it)
+    LOADTEST_COLLECTION     collection (default stdlib, the demo collection)
+    LOADTEST_MODE           hybrid | dense | lexical (default hybrid)
+    LOADTEST_TOP_K          hits per request (default 10)
+    LOADTEST_QUERIES        queries.jsonl or one query per line (default: the built-in demo queries
                           of loadtest/openloop.py)
-    SEARCH_TIMEOUT_S      per-request deadline in seconds (default 10)
-    SEARCH_RATE_PER_USER  requests per second per user (default 1)
-    SEARCH_TOKEN          bearer token (default: none)
+    LOADTEST_TIMEOUT_S      per-request deadline in seconds (default 10)
+    LOADTEST_RATE_PER_USER  requests per second per user (default 1)
+    LOADTEST_TOKEN          bearer token (default: none)
 
     .venv/bin/locust -f loadtest/locustfile.py --headless -u 10 -r 10 --run-time 30s --csv out/s
 """
@@ -47,15 +49,15 @@ from loadtest.openloop import load_queries  # noqa: E402
 from server.rpc import search_pb2 as pb  # noqa: E402
 from server.rpc import search_pb2_grpc as pb_grpc  # noqa: E402
 
-TARGET = os.environ.get("SEARCH_TARGET", "127.0.0.1:50051")
-COLLECTION = os.environ.get("SEARCH_COLLECTION", "stdlib")
+TARGET = os.environ.get("LOADTEST_TARGET", "127.0.0.1:50051")
+COLLECTION = os.environ.get("LOADTEST_COLLECTION", "stdlib")
 MODE = {"hybrid": pb.HYBRID, "dense": pb.DENSE, "lexical": pb.LEXICAL}[
-    os.environ.get("SEARCH_MODE", "hybrid").lower()]
-TOP_K = int(os.environ.get("SEARCH_TOP_K", "10"))
-QUERIES = load_queries(os.environ.get("SEARCH_QUERIES") or None)
-TIMEOUT_S = float(os.environ.get("SEARCH_TIMEOUT_S", "10"))
-RATE_PER_USER = float(os.environ.get("SEARCH_RATE_PER_USER", "1"))
-TOKEN = os.environ.get("SEARCH_TOKEN")
+    os.environ.get("LOADTEST_MODE", "hybrid").lower()]
+TOP_K = int(os.environ.get("LOADTEST_TOP_K", "10"))
+QUERIES = load_queries(os.environ.get("LOADTEST_QUERIES") or None)
+TIMEOUT_S = float(os.environ.get("LOADTEST_TIMEOUT_S", "10"))
+RATE_PER_USER = float(os.environ.get("LOADTEST_RATE_PER_USER", "1"))
+TOKEN = os.environ.get("LOADTEST_TOKEN")
 METADATA = (("authorization", f"Bearer {TOKEN}"),) if TOKEN else None
 
 
@@ -115,5 +117,8 @@ def _keep_environment(environment, **_kw):
 def _write_final_stats(**_kw):
     prefix = getattr(_ENV[0].parsed_options, "csv_prefix", None) if _ENV else None
     if prefix:
-        with open(f"{prefix}_final_stats.csv", "w", newline="") as f:
-            StatsCSV(_ENV[0], PERCENTILES_TO_REPORT).requests_csv(csv.writer(f))
+        stats = StatsCSV(_ENV[0], PERCENTILES_TO_REPORT)
+        with open(f"{prefix}_final_failures.csv", "w", newline="") as f:
+            stats.failures_csv(csv.writer(f))
+        with open(f"{prefix}_final_stats.csv", "w", newline="") as f:  # last: run.py waits for it
+            stats.requests_csv(csv.writer(f))

@@ -18,7 +18,9 @@ How it is loaded
              requests per second; its results are read from the CSV files it writes. Closed loop
              per user, percentiles rounded to 2 significant digits.
   The first requests after a server starts are slow (model and index warm-up), so --warmup
-  seconds of load at the same rate precede the measured part (default 2; 0 to see them).
+  seconds of load at the same rate precede the measured part (default 2; 0 to see them): the
+  open loop's schedule runs on into it, Locust starts after it; neither's figures, nor the
+  cluster router's counters, include it.
 
 Exit status: that of the load: 0; 2 bad arguments or the service unreachable; 3 p99 over
 --p99-budget-ms; 4 over 1% of requests failed (--max-error-rate); 5 Locust did not exit in time and
@@ -77,10 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--embedder-name", default=None, help="server --embedder-name")
     g.add_argument("--server-flags", default="",
                    help="more flags for serve/router, e.g. '--max-inflight 64'")
-    g.add_argument("--retrieval-cache", action="store_true",
-                   help="keep the server's retrieval cache on. Off by default in servers this "
-                        "starts: the load cycles through a few queries, which the cache would "
-                        "answer from memory after the first pass, measuring the cache, not search")
+    g.add_argument("--caches", "--retrieval-cache", dest="caches", action="store_true",
+                   help="keep the server's retrieval and query-embedding caches on. Off by "
+                        "default in servers this starts: the load cycles through a few queries, "
+                        "which the caches would answer from memory after the first pass, "
+                        "measuring the caches, not embedding and search")
     g.add_argument("--start-timeout", type=float, default=240.0,
                    help="seconds a server gets to start listening (default 240)")
     g = p.add_argument_group("load")
@@ -141,8 +144,8 @@ def model_flags(args) -> list[str]:
     they win)."""
     flags = ["--embedder", str(args.embedder)] if args.embedder else []
     flags += ["--embedder-name", args.embedder_name] if args.embedder_name else []
-    if not args.retrieval_cache:
-        flags += ["--retrieval-cache-size", "0"]
+    if not args.caches:  # a few queries cycled: both caches would answer repeats from memory
+        flags += ["--retrieval-cache-size", "0", "--embedding-cache-size", "0"]
     return flags + shlex.split(args.server_flags)
 
 
@@ -193,7 +196,9 @@ def read_locust_csv(prefix: Path) -> dict:
            "rps": num("Requests/s"), "max": num("Max Response Time")}
     for key, col in (("p50", "50%"), ("p90", "90%"), ("p99", "99%"), ("p999", "99.9%")):
         out[key] = num(col)
-    fails = Path(f"{prefix}_failures.csv")
+    # the final failures with the final statistics (Locust's own file lags by up to a second:
+    # outside QA saw "failures 6" beside rows adding up to 4)
+    fails = Path(f"{prefix}_final_failures.csv" if path == final else f"{prefix}_failures.csv")
     out["failure_rows"] = []
     if fails.is_file():
         with open(fails, newline="") as f:
@@ -204,11 +209,12 @@ def read_locust_csv(prefix: Path) -> dict:
 def run_locust(args, address: str) -> int:
     prefix = args.csv_prefix or Path(tempfile.mkdtemp(prefix="search-locust-")) / "search"
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    seconds = math.ceil(args.warmup + args.duration)
-    env = dict(os.environ, SEARCH_TARGET=address, SEARCH_COLLECTION=args.collection,
-               SEARCH_MODE=args.mode, SEARCH_TOP_K=str(args.top_k),
-               SEARCH_QUERIES=str(args.queries or ""), SEARCH_TIMEOUT_S=str(args.deadline_ms / 1e3),
-               SEARCH_RATE_PER_USER=str(args.rate / args.users), SEARCH_TOKEN=args.token or "")
+    seconds = math.ceil(args.duration)  # the warm-up ran before (main), outside Locust's figures
+    env = dict(os.environ, LOADTEST_TARGET=address, LOADTEST_COLLECTION=args.collection,
+               LOADTEST_MODE=args.mode, LOADTEST_TOP_K=str(args.top_k),
+               LOADTEST_QUERIES=str(args.queries or ""),
+               LOADTEST_TIMEOUT_S=str(args.deadline_ms / 1e3),
+               LOADTEST_RATE_PER_USER=str(args.rate / args.users), LOADTEST_TOKEN=args.token or "")
     cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"),
            "--headless", "-u", str(args.users), "-r", str(args.users), "--run-time", f"{seconds}s",
            "--stop-timeout", "5", "--csv", str(prefix), "--only-summary", "--host", address,
@@ -226,7 +232,8 @@ def run_locust(args, address: str) -> int:
         return proc.returncode or EXIT_KILLED
     res = read_locust_csv(prefix)
     print(f"Locust: {args.users} users x {args.rate / args.users:g}/s (closed loop each) for "
-          f"{seconds}s (warm-up included); exit {proc.returncode}; files {prefix}_*.csv")
+          f"{seconds}s after {args.warmup:g}s of warm-up; exit {proc.returncode}; files "
+          f"{prefix}_*.csv")
     print(f"  requests {res['requests']}, failures {res['failures']}, {res['rps']:.1f}/s; ms "
           f"(rounded buckets): p50 {res['p50']}  p90 {res['p90']}  p99 {res['p99']}  p99.9 "
           f"{res['p999']}  max {res['max']}"
@@ -267,16 +274,28 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - whatever it was, say it and stop the rest
             print(f"run: the service did not start: {exc!r}", file=sys.stderr)
             return EXIT_NOT_STARTED
-        before = router_counters(cluster.metrics_url) if cluster else None
         if args.address:
-            print("note: a running service keeps its retrieval cache; with a few distinct queries "
-                  "it answers repeats from memory (start it with --retrieval-cache-size 0 to "
-                  "measure search)", flush=True)
-        elif not args.retrieval_cache:
-            print("retrieval cache off in the servers this run started: every request is searched "
-                  "(--retrieval-cache to keep it)", flush=True)
+            print("note: a running service keeps its caches; with a few distinct queries it "
+                  "answers repeats from memory (start it with --retrieval-cache-size 0 "
+                  "--embedding-cache-size 0 to measure embedding and search)", flush=True)
+        elif not args.caches:
+            print("retrieval and query-embedding caches off in the servers this run started: "
+                  "every request is embedded and searched (--caches to keep them)", flush=True)
         args.address = address
-        code = run_locust(args, address) if args.locust else openloop.run(args)
+        before = {}
+
+        def measured_part_starts() -> None:  # the router's counters count the measured part only
+            if cluster:
+                before.update(router_counters(cluster.metrics_url))
+
+        if args.locust:
+            # Locust's figures are of the measured part alone
+            code = openloop.warm_up(args) if args.warmup > 0 else 0
+            if code == 0:
+                measured_part_starts()
+                code = run_locust(args, address)
+        else:
+            code = openloop.run(args, measured_part_starts)
         if cluster:
             d = counters_delta(router_counters(cluster.metrics_url), before)
             slow = {cluster.replica_address(s, 0) for s in range(args.shards)

@@ -218,7 +218,8 @@ class RouterConfig:
     topology: Optional[Path] = opt(None, 'JSON {"collection": NAME, "shards": [["host:port", ...], '
                                          '...]}')
     router_collection: Optional[str] = opt(None, "collection (with --replicas)", flag="--collection")
-    replicas: list = opt([], "comma-separated replica addresses of one shard; repeat in shard order")
+    replicas: list = opt([], "comma-separated replica addresses of one shard; repeat in shard "
+                              "order (SEARCH_REPLICAS: the shards separated by ';')", env_items=";")
     hedge: bool = opt(True, "hedge slow shard calls to a second replica")
     hedge_min_ms: float = opt(2.0, "earliest hedge delay")
     hedge_max_ms: float = opt(200.0, "latest hedge delay")
@@ -475,9 +476,18 @@ def load_config(command: str, args: Optional[argparse.Namespace] = None,
                 values[(sec, key)] = (value, f"{path} [{sec}] {key}")
     for sec in COMMAND_SECTIONS[command]:
         for f in fields(types[sec]):
-            env = environ.get(ENV_PREFIX + f.name.upper())
-            if env is not None:
-                values[(sec, f.name)] = (env, f"environment {ENV_PREFIX}{f.name.upper()}")
+            name = ENV_PREFIX + f.name.upper()
+            env = environ.get(name)
+            if env is None:
+                continue
+            if (sec, f.name) in UNUSED.get(command, ()):
+                # refused as its flag is: a setting taken and ignored misleads (a shard given
+                # SEARCH_AUTH_TOKENS would serve without authentication - outside QA)
+                raise ValueError(f"environment {name}: `{command}` does not use this setting; "
+                                 f"unset it for this process")
+            if f.metadata.get("env_items"):  # a list whose items are lists of their own
+                env = [v.strip() for v in env.split(f.metadata["env_items"]) if v.strip()]
+            values[(sec, f.name)] = (env, f"environment {name}")
     if args is not None:
         for dest, value in vars(args).items():
             if "." in dest:

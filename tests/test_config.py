@@ -124,6 +124,28 @@ def test_flags_a_role_does_not_use_are_refused_not_ignored():
     assert parse("router", ["--auth-tokens", "t.json"], {}).auth.auth_tokens == Path("t.json")
 
 
+def test_environment_variables_a_role_does_not_use_are_refused_as_their_flags_are():
+    """Outside QA: SEARCH_AUTH_TOKENS given to a shard server was taken and ignored (it serves
+    without authentication), as `shard --auth-tokens` was before its flag was refused."""
+    for command, name in (("shard", "SEARCH_AUTH_TOKENS"), ("shard", "SEARCH_TENANT"),
+                          ("shard", "SEARCH_WORKERS"), ("serve", "SEARCH_SHARD_TOKEN_FILE"),
+                          ("router", "SEARCH_APPLY_BATCH"), ("router", "SEARCH_WORKERS")):
+        with pytest.raises(ValueError, match=f"environment {name}: `{command}` does not use"):
+            parse(command, [], {name: "4"})
+    assert parse("router", [], {"SEARCH_AUTH_TOKENS": "t.json"}).auth.auth_tokens == Path("t.json")
+    # settings every role reads are no one's problem
+    assert str(parse("shard", [], {"SEARCH_DATA_DIR": "/d"}).storage.data_dir) == "/d"
+
+
+def test_replica_sets_from_the_environment_keep_their_shards_apart():
+    """Outside QA: SEARCH_REPLICAS="a:1,b:1" made each replica a shard of its own (a router of the
+    wrong shard count), where `--replicas a:1,b:1` is one shard of two replicas."""
+    flags = parse("router", ["--replicas", "a:1,b:1", "--replicas", "c:1,d:1"], {})
+    env = parse("router", [], {"SEARCH_REPLICAS": "a:1,b:1; c:1,d:1"})
+    assert flags.router.replicas == env.router.replicas == ["a:1,b:1", "c:1,d:1"]
+    assert parse("router", [], {"SEARCH_REPLICAS": "a:1,b:1"}).router.replicas == ["a:1,b:1"]
+
+
 @pytest.mark.parametrize("flags, error", [
     (["--default-depth", "5000"], "between 1 and 2000"),        # every hybrid query was refused
     (["--dense-feedback-docs", "1000"], "between 0 and 100"),

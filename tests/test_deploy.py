@@ -315,6 +315,19 @@ def test_gpu_shard_variant_requests_a_gpu_with_the_cuda_image():
         assert flag_value(argv_of(c)[1], "--device") == ["cuda"], path
 
 
+def test_the_gpu_overlay_patches_statefulsets_of_the_cpu_deployment():
+    """Outside QA: the GPU variant said to keep its shard "out of the CPU set in
+    kustomization.yaml", but both CPU shards live in search.yaml; it is an overlay now."""
+    kust = yaml.safe_load((K8S / "gpu" / "kustomization.yaml").read_text())
+    assert kust["resources"] == ["../"]
+    cpu = {(d["kind"], name_of(d)) for p, d in k8s_docs() if p.parent == K8S and d["kind"] != "Kustomization"}
+    assert kust["patches"]
+    for patch in kust["patches"]:
+        (doc,) = list(yaml.safe_load_all((K8S / "gpu" / patch["path"]).read_text()))
+        # a strategic-merge patch: the CPU object it replaces has its kind and name
+        assert (doc["kind"], doc["metadata"]["name"]) in cpu, patch
+
+
 def test_router_addresses_the_shard_pods_and_nats():
     docs = k8s_docs()
     (router,) = [d for _, d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "search-router"]
@@ -451,6 +464,12 @@ def test_dockerfile_targets_users_and_healthchecks():
         assert checks and "search-server health" in checks[-1], f"{target}: no HEALTHCHECK"
         entry = instructions(stages, target, "ENTRYPOINT")
         assert entry and "search-server" in entry[-1], target
+        # state goes to the volume the image hands its user, whatever the command line (outside
+        # QA: the cuda image's default `serve` wrote under root-owned /data and could not start)
+        env = " ".join(instructions(stages, target, "ENV"))
+        assert "SEARCH_STATE_DIR=/state" in env, f"{target}: no SEARCH_STATE_DIR"
+        runs = " ".join(instructions(stages, target, "RUN"))
+        assert "chown 10001:10001 /state" in runs, f"{target}: /state not the user's"
     assert stages[stage_chain(stages, "cuda")[-1]]["base"].startswith("nvidia/cuda:")
     # shard: the project with --no-deps plus the shard requirements, and no heavy packages
     build = next(s for s in stages if s != "shard" and any(
