@@ -33,6 +33,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _tenant_name(text: str) -> str:
+    """argparse type: a valid tenant name (outside QA: a bad --tenant was blamed on the corpus's
+    first line)."""
+    from server.core.collection import check_name
+
+    try:
+        return check_name(text, "tenant")
+    except Exception as exc:  # InvalidArgument
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _fraction(text: str) -> float:
     """argparse type: a recall in [0, 1]."""
     try:
@@ -90,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=".npy of held-out query vectors for the recall audit (default for text "
                         "builds: embedded spans of the corpus)")
     b.add_argument("--limit", type=_positive_int, default=None, help="index only the first N documents")
-    b.add_argument("--tenant", default="default", help="tenant of documents that name none")
-    b.add_argument("--dedicated-tenant-min-chunks", type=int, default=None,
+    b.add_argument("--tenant", type=_tenant_name, default="default",
+                   help="tenant of documents that name none")
+    b.add_argument("--dedicated-tenant-min-chunks", type=_positive_int, default=None,
                    help="tenants owning at least this many chunks of a shard get their own index")
     b.add_argument("--embedder", default=None,
                    help="local model directory (default: the packaged all-MiniLM-L6-v2; not "
@@ -99,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--embedder-name", default=None, help="model name for the model id")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     b.add_argument("--build-id", default=None)
-    b.add_argument("--audit", action="store_true", help="audit recall after building")
+    b.add_argument("--audit", action="store_true", help="audit recall after building (exit 1 when the audit fails)")
     b.add_argument("--publish", action="store_true", help="audit, then publish if the audit passes")
     b.add_argument("--min-recall", type=_fraction, default=0.9,
                    help="the audit fails (and --publish refuses) below this recall@10 (default "
@@ -156,10 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="list collections and builds",
                         description="Every collection's builds: factory, chunks, shards and audited "
                                     "recall; * marks the live build. Exit 1 if a build is damaged "
-                                    "or the alias names one that is gone.")
+                                    "(a file missing or of another size than recorded; with "
+                                    "--verify, or whose sha256 differs) or the alias names one "
+                                    "that is gone.")
     ls.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT,
                     help="root of the collections (default: ./data or $SEARCH_DATA_DIR)")
     ls.add_argument("--collection", default=None, help="only this collection (default: all)")
+    ls.add_argument("--verify", action="store_true",
+                    help="also check every file's sha256 (reads every build in full)")
 
     pr = sub.add_parser(
         "prune", help="remove old builds of a collection (never the live build, its rollback "
@@ -302,12 +318,14 @@ def _check_build_id_unused(store, name: str, build_id: str, state_root: Path) ->
 def cmd_build(args) -> int:
     from itertools import chain, islice
 
-    import numpy as np
+    import faiss
 
     from index_builder.build import audit_build, build_collection
     from index_builder.corpus import read_corpus
+    from server.backends.threads import usable_cores
     from server.core.collection import CollectionStore
 
+    faiss.omp_set_num_threads(usable_cores())  # training and adding: the container's CPU quota
     store = CollectionStore(args.data_dir)
     if args.build_id:
         _check_build_id_unused(store, args.collection, args.build_id,
@@ -319,9 +337,9 @@ def cmd_build(args) -> int:
     vectors = None
     if args.vectors is not None:
         kept = list(docs)
-        vectors = vectors_of_records(np.load(args.vectors, allow_pickle=False), kept, tally)
+        vectors = vectors_of_records(_load_npy(args.vectors, "--vectors"), kept, tally)
         docs = iter(kept)
-    audit_queries = np.load(args.audit_queries, allow_pickle=False) if args.audit_queries else None
+    audit_queries = _load_npy(args.audit_queries, "--audit-queries") if args.audit_queries else None
     first = next(docs, None)  # a corpus that carries its vectors needs no model: look before loading one
     docs = chain([first], docs) if first is not None else iter(())
     embedder = None
@@ -348,10 +366,11 @@ def cmd_build(args) -> int:
               f"{audit['query_source']} queries ({'passed' if audit['passed'] else 'FAILED'}, "
               f"threshold {args.min_recall}); count reconciliation "
               f"{'passed' if recon['passed'] else 'FAILED: ' + '; '.join(recon['mismatches'])}")
+        if not (audit["passed"] and recon["passed"]):  # `build --audit` in CI fails the step
+            print("not published: the audit failed" if args.publish else "the audit failed",
+                  file=sys.stderr)
+            return 1
         if args.publish:
-            if not (audit["passed"] and recon["passed"]):
-                print("not published: the audit failed", file=sys.stderr)
-                return 1
             refusal = model_change_refusal(Path(args.data_dir) / ".state", args.collection, desc)
             if refusal:
                 print(f"not published: {refusal}", file=sys.stderr)
@@ -359,6 +378,20 @@ def cmd_build(args) -> int:
             store.publish(args.collection, desc.build_id)
             print(f"published: {args.collection} -> {desc.build_id}")
     return 0
+
+
+def _load_npy(path: Path, flag: str):
+    """A numeric .npy array, or a ValueError naming the flag and the file (outside QA: a file of
+    another format, or of Python objects, said "pickled (object) data ... allow_pickle=")."""
+    import numpy as np
+
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        why = ("not a .npy file of numbers: numpy read it as pickled Python objects, which are "
+               "never loaded" if "allow_pickle" in str(exc)
+               else str(exc).split("\n")[0])
+        raise ValueError(f"{flag} {path}: not a numeric .npy array ({why})") from None
 
 
 def _to_stderr(message: str) -> None:
@@ -538,6 +571,10 @@ def cmd_list(args) -> int:
                 d = store.descriptor(name, b)
                 audit = f"recall@{d.audit['k']}={d.audit['recall']:.3f}" if d.audit else "not audited"
                 line = (f"{d.factory:<24} {d.chunks:>8} chunks  {d.shards} shard(s)  {audit}")
+                problems = store.file_problems(name, b, hashes=args.verify)
+                if problems:  # (outside QA: a build whose vectors were gone listed as whole)
+                    raise IndexCorruptError(problems[0] + (f" (and {len(problems) - 1} more)"
+                                                           if len(problems) > 1 else ""))
             except (IndexCorruptError, KeyError, TypeError, ValueError) as exc:
                 # one damaged build must not hide the others
                 why = str(exc) or type(exc).__name__
@@ -649,6 +686,9 @@ COMMANDS = {"build": cmd_build, "audit": cmd_audit, "publish": cmd_publish,
 
 
 def main(argv=None) -> None:
+    from server.backends.threads import openmp_sleeps_when_idle
+
+    openmp_sleeps_when_idle()  # before anything loads torch's or faiss's OpenMP runtime
     args = build_parser().parse_args(argv)
     from server.errors import SearchError
 
@@ -663,6 +703,10 @@ def main(argv=None) -> None:
         rc = 2
     except BrokenPipeError:  # `index-builder list | head`
         rc = 0
+    except KeyboardInterrupt:  # Ctrl-C: a build's staging directory is already removed
+        print(f"index-builder {args.command}: interrupted"
+              + ("; nothing was published" if args.command == "build" else ""), file=sys.stderr)
+        rc = 130
     sys.exit(rc)
 
 

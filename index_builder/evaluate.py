@@ -226,7 +226,26 @@ def run_eval(args) -> int:
     if unknown:
         print(f"unknown modes {unknown}; use {sorted(MODES)}", file=sys.stderr)
         return 2
-    compare = [tuple(c.split(":")) for c in (args.compare or "").split(",") if c]
+    # every argument is checked before the evaluation runs, not after (outside QA: a malformed
+    # --compare failed once every mode had run, and lost the results)
+    compare = []
+    for pair in (c.strip() for c in (args.compare or "").split(",")):
+        if not pair:
+            continue
+        a, sep, b = pair.partition(":")
+        if not sep or not a or not b or ":" in b:
+            raise ValueError(f"--compare {pair!r}: give mode pairs as A:B, e.g. hybrid:hybrid-rrf")
+        missing = [m for m in (a, b) if m not in modes]
+        if missing:
+            raise ValueError(f"--compare {pair}: {', '.join(missing)} not among --modes "
+                             f"({', '.join(modes)})")
+        compare.append((a, b))
+    if args.depth < 1 or args.depth * 2 > limits.MAX_TOP_K:
+        raise ValueError(f"--depth {args.depth}: between 1 and {limits.MAX_TOP_K // 2} documents "
+                         "per query")
+    if args.depth < 100:
+        print(f"note: --depth {args.depth} ranks fewer than 100 documents per query: recall@100 "
+              f"is recall@{args.depth} here", file=sys.stderr)
     if getattr(args, "plots", None):  # before the evaluation, not after it (outside QA)
         import importlib.util
 
@@ -235,11 +254,18 @@ def run_eval(args) -> int:
             raise ValueError(f"--plots needs matplotlib (the bench extra) and the source "
                              f"checkout's harness/ package, which the images leave out "
                              f"(missing: {', '.join(missing)})")
+    for path, _ in datasets:  # a bad second dataset fails now, not after the first's evaluation
+        for need in (path / "queries.jsonl", path / "qrels" / f"{args.split}.tsv"):
+            if not need.is_file():
+                raise ValueError(f"--dataset {path}: {need} is missing (a BEIR directory has "
+                                 f"corpus.jsonl, queries.jsonl and qrels/{args.split}.tsv)")
     server = _serve(args.serve_from, datasets) if args.serve_from else None
     address = server.address if server else args.address
     top_k = min(limits.MAX_TOP_K, args.depth * 2)
     report = {}
     try:
+        import grpc
+
         from server.client import open_channel
 
         tls = (None, None, None) if server else (args.tls_ca, args.tls_cert, args.tls_key)
@@ -248,8 +274,11 @@ def run_eval(args) -> int:
             tables = io.StringIO()  # the printed tables, also kept as OUT/eval_tables.md
             with contextlib.redirect_stdout(_Tee(sys.stdout, tables)):
                 for path, collection in datasets:
-                    report[collection] = _evaluate(stub, pb, path, collection, modes, compare,
-                                                   top_k, args)
+                    try:
+                        report[collection] = _evaluate(stub, pb, path, collection, modes, compare,
+                                                       top_k, args)
+                    except grpc.RpcError as err:  # one line, not a gRPC traceback (outside QA)
+                        raise ValueError(f"{address}: {err.code().name}: {err.details()}") from None
     finally:
         if server is not None:
             server.stop()
@@ -302,7 +331,7 @@ def _evaluate(stub, pb, path: Path, collection: str, modes, compare, top_k: int,
             resp = stub.SearchBatch(pb.SearchBatchRequest(queries=reqs), timeout=600)
             for qid, item in zip(batch, resp.results):
                 if item.code:
-                    raise RuntimeError(f"{collection} query {qid} ({mode}): {item.message}")
+                    raise ValueError(f"{collection} query {qid} ({mode}): {item.message}")
                 ranking = collapse_to_documents((h.doc_id for h in item.response.hits), args.depth)
                 per_query[qid] = {"ranking": ranking, "scores": score_query(ranking, qrels[qid]),
                                   "slices": query_slices(queries[qid], qrels[qid])}

@@ -61,6 +61,9 @@ def build_parser(internal: bool = False, config_role: str = "serve") -> argparse
         f.add_argument("--engine-socket", required=True)
         f.add_argument("--engine-pid", type=int, default=0,
                        help="stop at once if this process (the engine) is not the parent")
+        f.add_argument("--frontends", type=int, default=1,
+                       help="front ends of the server: each runs its models on that share of "
+                            "the cores")
         add_flags(f, "serve")
     return p
 
@@ -94,6 +97,9 @@ def health(address: str, service: str, timeout: float, tls_ca: Optional[Path] = 
 
 
 def main(argv=None) -> None:
+    from server.backends.threads import openmp_sleeps_when_idle
+
+    openmp_sleeps_when_idle()  # before anything loads torch's or faiss's OpenMP runtime
     from server.config import load_config
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -129,7 +135,7 @@ def main(argv=None) -> None:
         if args.command == "serve":
             roles.run_serve(cfg)
         elif args.command == "frontend":
-            roles.run_frontend(cfg, args.engine_socket, args.engine_pid)
+            roles.run_frontend(cfg, args.engine_socket, args.engine_pid, args.frontends)
         elif args.command == "shard":
             roles.run_shard(cfg)
         else:

@@ -18,6 +18,8 @@ def load_models(cfg: ServerConfig, device: Device):
     """The embedder (packaged MiniLM unless configured; none with `--embedder none`) and the
     optional cross-encoder; both from local directories only."""
     from server.backends.models import CrossEncoder, Embedder
+    from server.backends.threads import model_threads_now
+    from server.core import metrics
 
     m = cfg.models
     embedder = None
@@ -25,6 +27,8 @@ def load_models(cfg: ServerConfig, device: Device):
         embedder = Embedder(Path(m.embedder) if m.embedder else None, device, m.embedder_backend,
                             model_name=m.embedder_name)
     reranker = CrossEncoder(m.reranker, device, m.reranker_backend) if m.reranker else None
+    if embedder is not None or reranker is not None:
+        metrics.MODEL_THREADS.set(model_threads_now())
     return embedder, reranker
 
 
@@ -60,10 +64,13 @@ def run_serve(cfg: ServerConfig) -> None:
             cfg.listen.event_loop)
 
 
-def run_frontend(cfg: ServerConfig, engine_socket: str, engine_pid: int = 0) -> None:
+def run_frontend(cfg: ServerConfig, engine_socket: str, engine_pid: int = 0,
+                 frontends: int = 1) -> None:
+    from server.backends.threads import share_cores_with
     from server.transport.engine_link import run_frontend as frontend, stop_with_the_engine
 
     stop_with_the_engine(engine_pid)  # first: loading models takes seconds
+    share_cores_with(frontends)  # the models of N front ends split the cores, not each take all
     frontend(cfg, _device(cfg), engine_socket)
 
 

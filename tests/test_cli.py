@@ -696,3 +696,91 @@ def test_prune_removes_old_builds_and_a_following_server_removes_their_state(tmp
         client.channel.close()
     finally:
         srv.stop()
+
+
+def _vector_corpus(tmp_path, n=400, dim=16):
+    """A corpus with its own vectors (no model to load): corpus.jsonl and v.npy."""
+    import numpy as np
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "text": f"document {i}"}) + "\n"
+                              for i in range(n)))
+    np.save(tmp_path / "v.npy", np.random.default_rng(7).standard_normal((n, dim)).astype(np.float32))
+    return corpus, tmp_path / "v.npy"
+
+
+def test_factories_faiss_cannot_build_here_are_one_line_errors_not_crashes(tmp_path):
+    """Outside QA: HNSW0 aborted the builder (exit 134) and HNSW1 crashed it (exit 139, no
+    message); a PQ with more centroids than training vectors, or NSG on a small corpus, gave a
+    faiss traceback (exit 1)."""
+    corpus, vectors = _vector_corpus(tmp_path, n=40)
+    for factory, says in (("HNSW0,Flat", "at least 2 links"), ("HNSW1,Flat", "at least 2 links"),
+                          ("PQ4x12", "cannot train it on 40 vectors"),
+                          ("NSG32,Flat", "cannot build it on 40 vectors")):
+        out = cli("build", "--data-dir", tmp_path / "data", "--collection", "c", "--corpus",
+                  corpus, "--vectors", vectors, "--model-id", "m", "--factory", factory, "--quiet")
+        assert out.returncode == 2, (factory, out.returncode, out.stderr[-500:])
+        assert factory in out.stderr and says in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not list((tmp_path / "data" / "c" / "builds").glob("*"))  # nothing half-built
+
+
+def test_build_audit_exits_1_when_the_audit_fails(tmp_path):
+    """Outside QA: `build --audit` printed FAILED and exited 0, so a CI step never noticed."""
+    corpus, vectors = _vector_corpus(tmp_path, n=2000, dim=32)
+    args = ["build", "--data-dir", tmp_path / "data", "--collection", "c", "--corpus", corpus,
+            "--vectors", vectors, "--model-id", "m", "--factory", "HNSW4,Flat", "--ef-search", "4",
+            "--target-recall", "0", "--quiet", "--audit"]
+    out = cli(*args, "--min-recall", "0.9999")
+    assert "FAILED" in out.stdout and out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+    assert "the audit failed" in out.stderr
+    passing = cli(*args, "--min-recall", "0.01")
+    assert "passed" in passing.stdout and passing.returncode == 0, passing.stderr
+
+
+def test_list_finds_missing_and_truncated_build_files_and_with_verify_altered_ones(tmp_path):
+    """Outside QA: `list` said a build whose vectors had gone was whole (recall 1.000, exit 0),
+    though its help promised exit 1 for a damaged build."""
+    from server.core.collection import CollectionStore
+
+    corpus, vectors = _vector_corpus(tmp_path, n=50)
+    out = cli("build", "--data-dir", tmp_path / "data", "--collection", "c", "--corpus", corpus,
+              "--vectors", vectors, "--model-id", "m", "--quiet")
+    assert out.returncode == 0, out.stderr
+    store = CollectionStore(tmp_path / "data")
+    (build,) = store.builds("c")
+    shard = store.build_dir("c", build) / "shard-000"
+    assert cli("list", "--data-dir", tmp_path / "data", "--verify").returncode == 0
+    raw = bytearray((shard / "vectors.npy").read_bytes())
+    raw[-1] ^= 0xFF  # same size, other bytes: only a hash tells
+    (shard / "vectors.npy").write_bytes(bytes(raw))
+    assert cli("list", "--data-dir", tmp_path / "data").returncode == 0
+    listing = cli("list", "--data-dir", tmp_path / "data", "--verify")
+    assert listing.returncode == 1 and "vectors.npy fails its sha256 check" in listing.stdout
+    (shard / "vectors.npy").write_bytes(bytes(raw[:-100]))  # truncated: found without --verify
+    listing = cli("list", "--data-dir", tmp_path / "data")
+    assert listing.returncode == 1 and f"{build}  DAMAGED" in listing.stdout, listing.stdout
+    assert "(truncated?)" in listing.stdout
+    (shard / "vectors.npy").unlink()
+    listing = cli("list", "--data-dir", tmp_path / "data")
+    assert listing.returncode == 1 and "vectors.npy is missing" in listing.stdout, listing.stdout
+
+
+def test_bad_tenant_flag_and_vector_files_name_the_flag(tmp_path):
+    """Outside QA: a bad --tenant was blamed on the corpus's first line, and a --vectors file
+    that was not a numeric .npy said "pickled (object) data ... allow_pickle=" naming no file."""
+    import numpy as np
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "text": "x"}\n')
+    base = ["build", "--data-dir", tmp_path / "data", "--collection", "c", "--corpus", corpus, "--quiet"]
+    out = cli(*base, "--tenant", "bad tenant!")
+    assert out.returncode == 2 and "argument --tenant: tenant name 'bad tenant!'" in out.stderr
+    (tmp_path / "text.npy").write_text("hello")
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    for name in ("text.npy", "objects.npy"):
+        out = cli(*base, "--vectors", tmp_path / name, "--model-id", "m")
+        assert out.returncode == 2, out.stderr
+        assert f"--vectors {tmp_path / name}: not a numeric .npy array" in out.stderr
+    out = cli(*base, "--dedicated-tenant-min-chunks", "-5")
+    assert out.returncode == 2 and "must be at least 1" in out.stderr

@@ -1,5 +1,8 @@
 """The evaluation metrics, against rankings computed by hand and against ranx on the same runs."""
 import math
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -114,3 +117,47 @@ def test_eval_plots_without_their_packages_fail_before_the_evaluation(monkeypatc
                                       str(tmp_path / "plots"), "--address", "127.0.0.1:1"])
     with pytest.raises(ValueError, match=r"--plots needs matplotlib .* \(missing: harness\)"):
         run_eval(args)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--compare", "hybrid"], "give mode pairs as A:B"),
+    (["--compare", "lexical:bogus"], "bogus not among --modes"),
+    (["--modes", "dense,lexical", "--compare", "hybrid:lexical"], "hybrid not among --modes"),
+    (["--depth", "0"], "--depth 0: between 1 and 500"),
+    (["--depth", "-5"], "--depth -5: between 1 and 500"),
+    (["--dataset", "{tmp}/missing"], "queries.jsonl is missing"),
+])
+def test_eval_arguments_are_refused_before_anything_runs(tmp_path, argv, error):
+    """Outside QA: a malformed --compare failed after the whole evaluation had run (its results
+    lost), an unknown mode in it was ignored, --depth 0 raised a traceback and a bad second
+    --dataset failed only once the first had been evaluated. Refused first, with nothing served
+    (no server at --address is needed to find out)."""
+    from index_builder.cli import build_parser
+    from index_builder.evaluate import run_eval
+
+    good = tmp_path / "good"
+    (good / "qrels").mkdir(parents=True)
+    (good / "queries.jsonl").write_text('{"_id": "1", "text": "q"}\n')
+    (good / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n1\t1\t1\n")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    args = build_parser().parse_args(["eval", "--dataset", str(good), "--address", "127.0.0.1:1",
+                                      *argv])
+    with pytest.raises(ValueError, match=re.escape(error)):
+        run_eval(args)
+
+
+def test_eval_against_no_server_is_one_line(tmp_path):
+    """Outside QA: a 28-line gRPC traceback when no server answered (and a 17-line one for an
+    unknown collection: the same path, NOT_FOUND)."""
+    from conftest import REPO
+    from harness.processes import free_port
+
+    good = tmp_path / "good"
+    (good / "qrels").mkdir(parents=True)
+    (good / "queries.jsonl").write_text('{"_id": "1", "text": "q"}\n')
+    (good / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n1\t1\t1\n")
+    out = subprocess.run([sys.executable, "-m", "index_builder.cli", "eval", "--dataset", str(good),
+                          "--address", f"127.0.0.1:{free_port()}"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "UNAVAILABLE" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -65,6 +65,21 @@ def test_every_front_end_answers_and_answers_equal_one_process(workers, small_co
     assert searches_answered(metrics + 1) > 0 and searches_answered(metrics + 2) > 0
 
 
+def test_the_front_ends_split_the_cores_between_their_models(workers):
+    """Each front end's embedder computes on its share of the cores: torch's default, every
+    core in every front end, spun N teams on the same cores (bench/bench_cpu_threads.py)."""
+    from server.backends.threads import usable_cores
+
+    _, _, metrics = workers
+
+    def model_threads(port: int) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return float(re.search(r"^search_model_threads ([0-9.e+]+)$", text, re.M).group(1))
+
+    assert model_threads(metrics + 1) == model_threads(metrics + 2) == max(1, usable_cores() // 2)
+    assert model_threads(metrics) == 0  # the engine loads no model
+
+
 def test_a_write_through_one_front_end_is_seen_through_all(workers):
     _, port, _ = workers
     channels = [grpc.insecure_channel(f"127.0.0.1:{port}",

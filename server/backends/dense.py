@@ -47,6 +47,9 @@ def make_index(factory: str, dim: int, metric: str) -> faiss.Index:
         raise ValueError(f"metric must be one of {sorted(METRICS)}, not {metric!r}")
     if re.search(r"IDMap", factory):
         raise ValueError("factory strings must not contain IDMap: rows map to chunk ids outside faiss")
+    m = re.search(r"HNSW(\d+)", factory)
+    if m and int(m.group(1)) < 2:  # faiss aborts (M=0) or crashes (M=1) while adding: no error
+        raise ValueError(f"{factory}: HNSW needs at least 2 links per node (HNSW32 is usual)")
     try:
         index = faiss.index_factory(dim, factory, METRICS[metric])
     except RuntimeError as exc:
@@ -119,22 +122,22 @@ def file_record(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def recorded_problems(base: Path, files: dict) -> list[str]:
+def recorded_problems(base: Path, files: dict, hashes: bool = True) -> list[str]:
     """Every file under `base` that differs from what a build recorded of it, as "PATH problem";
     `files` maps a name to {bytes, sha256}, or a directory's name to its own such map (the BM25
-    segments, a dedicated tenant's index)."""
+    segments, a dedicated tenant's index). `hashes=False`: presence and size only (fast)."""
     problems = []
     for name, want in files.items():
         if "bytes" not in want:
-            problems += recorded_problems(base / name, want)
+            problems += recorded_problems(base / name, want, hashes)
             continue
-        problem = recorded_file_problem(base / name, want)
+        problem = recorded_file_problem(base / name, want, hashes)
         if problem:
             problems.append(f"{base / name} {problem}")
     return problems
 
 
-def recorded_file_problem(path: Path, want: dict) -> Optional[str]:
+def recorded_file_problem(path: Path, want: dict, hashes: bool = True) -> Optional[str]:
     """What is wrong with a build file against what the build recorded of it ({bytes, sha256}),
     worded to follow the file's name; None when it is whole."""
     if not path.is_file():
@@ -142,7 +145,7 @@ def recorded_file_problem(path: Path, want: dict) -> Optional[str]:
     size = path.stat().st_size
     if size != want["bytes"]:
         return f"is {size} bytes, the build recorded {want['bytes']} (truncated?)"
-    if file_sha256(path) != want["sha256"]:
+    if hashes and file_sha256(path) != want["sha256"]:
         return "fails its sha256 check (corrupted)"
     return None
 
@@ -421,10 +424,26 @@ def build_dense(factory: str, dim: int, metric: str, vectors: Callable[[], "np.n
                              f"use fewer lists (e.g. IVF{max(1, len(sample) // 39)}) for this corpus")
         _skip_polysemous_training(index)
         with training(f"train {factory} on {len(sample):,} vectors"):
-            index.train(np.ascontiguousarray(sample, dtype=np.float32))
+            try:
+                index.train(np.ascontiguousarray(sample, dtype=np.float32))
+            except RuntimeError as exc:  # e.g. a PQ's 256 centroids from 20 training vectors
+                raise ValueError(f"{factory}: faiss cannot train it on {len(sample):,} vectors "
+                                 f"({_faiss_reason(exc)}); use a smaller index or a larger corpus") from None
     x = vectors()
     for start in range(0, len(x), block):
-        index.add(np.ascontiguousarray(x[start:start + block], dtype=np.float32))
+        try:
+            index.add(np.ascontiguousarray(x[start:start + block], dtype=np.float32))
+        except RuntimeError as exc:  # e.g. NSG: "cannot build a graph smaller than 100"
+            raise ValueError(f"{factory}: faiss cannot build it on {len(x):,} vectors "
+                             f"({_faiss_reason(exc)})") from None
         if progress:
             progress(min(block, len(x) - start))
     return DenseIndex(index, row_ids, metric)
+
+
+def _faiss_reason(exc: RuntimeError) -> str:
+    """faiss's own sentence out of its multi-line "Error in ... at FILE:LINE: Error: '...'"."""
+    text = " ".join(str(exc).split())
+    m = re.search(r"Error: '(.*?)' failed$|Error: (.*)$", text)
+    reason = (m.group(1) or m.group(2)) if m else text
+    return reason.strip(" '")[:300]

@@ -22,6 +22,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no weight-loading bars in server logs
 
 from server.backends.device import Device, default_device  # noqa: E402
+from server.backends.threads import model_threads_now  # noqa: E402
 
 
 def packaged_minilm_dir() -> Path:
@@ -99,13 +100,19 @@ class _Transformer:
             path = _onnx_path(model_dir)
             if path is None:
                 raise FileNotFoundError(f"backend=onnx needs model.onnx or onnx/model.onnx in {model_dir}")
-            self.session = ort.InferenceSession(str(path), providers=self.device.onnx_providers)
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = model_threads_now()  # not the host's cores: the cgroup's share
+            self.session = ort.InferenceSession(str(path), sess_options=opts,
+                                                providers=self.device.onnx_providers)
             self.onnx_inputs = {i.name for i in self.session.get_inputs()}
         else:
             import torch
             import transformers
 
             transformers.logging.disable_progress_bar()
+            # torch's default is the host's cores, whatever the container's CPU quota, and every
+            # front end of `serve --workers N` would take all of them (threads.py)
+            torch.set_num_threads(model_threads_now())
             cls = getattr(transformers, self.auto_class)
             self.model = cls.from_pretrained(str(model_dir), local_files_only=True)
             self.model.eval().to(self.device.torch_device)

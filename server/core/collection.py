@@ -326,10 +326,12 @@ class CollectionStore:
     def write_descriptor(self, desc: ReleaseDescriptor) -> None:
         atomic_write(self.build_dir(desc.collection, desc.build_id) / DESCRIPTOR, desc.to_json())
 
-    def file_problems(self, name: str, build_id: str, audit_queries: bool = True) -> list[str]:
+    def file_problems(self, name: str, build_id: str, audit_queries: bool = True,
+                      hashes: bool = True) -> list[str]:
         """What is wrong with the build's files against what it recorded of them: every shard's
         document store must be there, and every recorded file must have its size and sha256
-        (the held-out audit queries unless `audit_queries` is False: an audit given its own)."""
+        (the held-out audit queries unless `audit_queries` is False: an audit given its own;
+        sizes only with `hashes=False`)."""
         from server.backends.dense import recorded_problems
 
         desc = self.descriptor(name, build_id)
@@ -340,9 +342,10 @@ class CollectionStore:
             store = build_dir / shard / "docstore.sqlite"
             if not store.is_file():
                 problems.append(f"missing {store}")
-            problems += recorded_problems(build_dir / shard, desc.shard_files.get(shard, {}))
+            problems += recorded_problems(build_dir / shard, desc.shard_files.get(shard, {}), hashes)
         if audit_queries and desc.audit_queries and desc.audit_queries_file:
-            problems += recorded_problems(build_dir, {desc.audit_queries: desc.audit_queries_file})
+            problems += recorded_problems(build_dir, {desc.audit_queries: desc.audit_queries_file},
+                                          hashes)
         return problems
 
     def verify_files(self, name: str, build_id: str) -> None:

@@ -30,6 +30,8 @@ REQUEST_SECONDS = Histogram("search_request_seconds", "Time to answer an RPC, by
 INFLIGHT = Gauge("search_inflight_requests", "Requests being served now")
 INFLIGHT_BATCHED_QUERIES = Gauge("search_inflight_batched_queries", "Queries of multi-query "
                                  "requests (SearchBatch, a router's shard message) being served now")
+MODEL_THREADS = Gauge("search_model_threads", "CPU threads each model of this process computes with "
+                      "(its share of the cores the cgroup allows; 0: no model loaded)")
 REJECTED = Counter("search_rejected_total", "Requests shed by admission control")
 HEDGES_SENT = Counter("search_hedges_sent_total", "Hedged shard requests sent", ["shard"])
 HEDGES_WON = Counter("search_hedges_won_total", "Hedged shard requests that answered first", ["shard"])

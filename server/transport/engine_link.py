@@ -428,6 +428,7 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
         def spawn(i: int) -> subprocess.Popen:
             return subprocess.Popen([sys.executable, "-m", "server.main", "frontend",
                                      "--engine-socket", path, "--engine-pid", str(os.getpid()),
+                                     "--frontends", str(cfg.listen.workers),
                                      *_frontend_args(argv, port),
                                      *(["--metrics-port", str(metrics + 1 + i)] if metrics else [])])
 

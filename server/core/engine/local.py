@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from server.backends.device import Device, faiss_threads_initializer
+from server.backends.threads import usable_cores
 from server.config import EngineConfig
 from server.core.engine.index import ShardIndex
 from server.core.engine.scheduler import SearchScheduler, WriteQueue
@@ -73,9 +73,7 @@ def _workers(configured: int, placement: str, spare_cores: int) -> int:
         return configured
     if placement != "cpu":
         return 1
-    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-             else (os.cpu_count() or 1))
-    return max(1, min(4, cores - spare_cores))
+    return max(1, min(4, usable_cores() - spare_cores))
 
 
 def _abandon(futures) -> None:

@@ -1,0 +1,76 @@
+"""How many CPU threads the models and indexes may use, and how their OpenMP threads wait.
+
+No heavy imports here: `openmp_sleeps_when_idle` must run before torch or faiss loads its OpenMP
+runtime (libgomp reads its settings once, when it loads), so the entry points call it first.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def _cgroup_quota(root: Path = _CGROUP) -> Optional[float]:
+    """The CPU quota of this process's cgroup in cores (a container's --cpus, a Kubernetes CPU
+    limit), or None when there is none or it cannot be read. cgroup v2 (`cpu.max`: "QUOTA PERIOD"
+    or "max PERIOD") or v1 (`cpu/cpu.cfs_quota_us`, -1 for none)."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cores(root: Path = _CGROUP) -> int:
+    """The cores this process may run on: its CPU affinity, capped by its cgroup's CPU quota,
+    which affinity does not show (in a container limited to 2 CPUs on a 64-core host, torch and
+    OpenMP would otherwise start 64 threads each and spend the quota switching between them)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_quota(root)
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
+
+
+def openmp_sleeps_when_idle() -> None:
+    """OpenMP threads that reach a barrier first sleep instead of spinning (unless the
+    environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT itself). A spinning thread burns the core
+    its team-mate needs whenever another process (or another front end of `serve --workers`)
+    holds the other cores: the packaged MiniLM embedded passages 3-4x slower beside two busy
+    processes (bench/bench_cpu_threads.py). Call before torch or faiss is imported."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+def model_threads(processes: int = 1) -> int:
+    """torch's intra-op threads for one of `processes` model-running processes on this host: an
+    equal share of the usable cores, at least one."""
+    return max(1, usable_cores() // max(1, processes))
+
+
+_share = 1  # model-running processes on this host that share its cores (`serve --workers N`)
+
+
+def share_cores_with(processes: int) -> None:
+    """This process is one of `processes` that run models on this host: models loaded after
+    this take that share of the cores."""
+    global _share
+    _share = max(1, processes)
+
+
+def model_threads_now() -> int:
+    """The intra-op threads a model loaded now gets (torch's, onnxruntime's): OMP_NUM_THREADS when
+    the operator set it, else this process's share of the usable cores."""
+    given = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return model_threads(_share)
