@@ -137,6 +137,25 @@ def test_a_slow_replica_is_hedged_and_the_loser_cancelled():
     assert slow.cancelled == 1 and rs.stats["hedges"] == 1 and rs.stats["hedges_won"] == 1
 
 
+def test_a_call_a_hedge_won_against_is_timed_as_abandoned_not_dropped():
+    """Outside QA: the per-replica latency only saw answered calls, so the slow calls hedging
+    cancels vanished and a slow replica's p99 looked like a healthy one's."""
+    from prometheus_client import REGISTRY
+
+    def sample(name, replica):
+        return REGISTRY.get_sample_value(name, {"shard": "7", "replica": replica}) or 0.0
+
+    slow, fast = Replica("slow-7", "slow"), Replica("fast-7")
+    rs = ReplicaSet(7, [slow, fast], FAST_HEDGE)
+    rs._rr = iter(range(0, 10 ** 6, 2))  # the slow one first
+    before = (sample("search_shard_abandoned_seconds_count", "slow-7"),
+              sample("search_shard_seconds_count", "fast-7"))
+    run(rs.search(Q, 5))
+    assert sample("search_shard_abandoned_seconds_count", "slow-7") == before[0] + 1
+    assert sample("search_shard_abandoned_seconds_sum", "slow-7") > 0
+    assert sample("search_shard_seconds_count", "fast-7") == before[1] + 1
+
+
 def test_without_hedge_budget_a_hung_replica_meets_the_deadline():
     slow, fast = Replica("slow", "slow"), Replica("fast")
     rs = ReplicaSet(0, [slow, fast], HedgePolicy(hedge_min_ms=1, hedge_max_ms=5, hedge_budget=0.0,

@@ -21,8 +21,14 @@ STAGE_SECONDS = Histogram("search_stage_seconds", "Latency of one stage of answe
                           "for the others (dense, lexical, fetch, assembly, total; shard_dense "
                           "and shard_lexical on shard servers); search_request_seconds counts "
                           "every answer", ["stage"], buckets=LATENCY_BUCKETS)
-SHARD_SECONDS = Histogram("search_shard_seconds", "Latency of one shard call, per replica",
+SHARD_SECONDS = Histogram("search_shard_seconds", "Latency of one answered shard call, per "
+                          "replica (calls given up on: search_shard_abandoned_seconds)",
                           ["shard", "replica"], buckets=LATENCY_BUCKETS)
+SHARD_ABANDONED_SECONDS = Histogram("search_shard_abandoned_seconds", "Time until a shard call was "
+                                    "given up (a hedge answered first, or its caller went): a "
+                                    "lower bound of that replica's latency, which the answered "
+                                    "calls' histogram leaves out", ["shard", "replica"],
+                                    buckets=LATENCY_BUCKETS)
 REQUESTS = Counter("search_requests_total", "RPCs answered, by method and status code",
                    ["method", "code"])
 REQUEST_SECONDS = Histogram("search_request_seconds", "Time to answer an RPC, by method and status "
