@@ -14,8 +14,9 @@
 #
 # Every image: non-root user 10001, the gRPC port on every interface (SEARCH_HOST=0.0.0.0, so a
 # shard server refuses to start without --shard-token-file or mutual TLS), Prometheus metrics on
-# 9100, builds read from /data, state written under /state (SEARCH_STATE_DIR: mount a writable
-# volume there; /data may be read-only), models only from the image (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE) and
+# 9100, builds read from /data, state written under /state (the default commands pass
+# `--state-dir /state`: mount a writable volume there, and pass it too in a command of your own;
+# /data may be read-only), models only from the image (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE) and
 # a HEALTHCHECK that runs `search-server health` (exit 0 only when the server answers SERVING;
 # a shard answers NOT_SERVING until it has caught up on the write log). Every default is a
 # SEARCH_* environment variable (server/config.py), so `-e SEARCH_PORT=...` moves the port and
@@ -35,7 +36,7 @@ ARG TORCH_VERSION=2.13.0
 FROM ${PYTHON_IMAGE} AS runtime-base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HOME=/tmp/huggingface XDG_CACHE_HOME=/tmp/cache \
-    SEARCH_HOST=0.0.0.0 SEARCH_DATA_DIR=/data SEARCH_STATE_DIR=/state SEARCH_METRICS_PORT=9100
+    SEARCH_HOST=0.0.0.0 SEARCH_DATA_DIR=/data SEARCH_METRICS_PORT=9100
 RUN groupadd --gid 10001 search \
  && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/search \
             --shell /usr/sbin/nologin search \
@@ -93,7 +94,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HOME=/tmp/huggingface XDG_CACHE_HOME=/tmp/cache \
-    SEARCH_HOST=0.0.0.0 SEARCH_DATA_DIR=/data SEARCH_STATE_DIR=/state SEARCH_METRICS_PORT=9100
+    SEARCH_HOST=0.0.0.0 SEARCH_DATA_DIR=/data SEARCH_METRICS_PORT=9100
 RUN groupadd --gid 10001 search \
  && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/search \
             --shell /usr/sbin/nologin search \
@@ -132,7 +133,7 @@ EXPOSE 50051 50061 9100
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
     CMD search-server health --address "127.0.0.1:${SEARCH_PORT:-50051}" --timeout 4 || exit 1
 ENTRYPOINT ["search-server"]
-CMD ["serve", "--device", "cuda"]
+CMD ["serve", "--data-dir", "/data", "--state-dir", "/state", "--device", "cuda"]
 
 # ---------------------------------------------------------------------------------------------
 # cpu (default): serve, router and index-builder on CPU.

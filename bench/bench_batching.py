@@ -247,6 +247,8 @@ def main(argv=None) -> int:
     from server.backends.device import Device
     from server.backends.models import Embedder
 
+    # models set their threads when they load: OMP_NUM_THREADS is the setting they keep
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
     embedder = Embedder(device=Device(args.device))
     texts = load_queries(args.dataset)

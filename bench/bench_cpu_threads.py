@@ -58,9 +58,9 @@ POLICIES = {
 def worker(policy: str, seconds: float) -> None:
     """Runs in a fresh interpreter (the policy's environment set before torch loads)."""
     if POLICIES[policy]["threads"] == "server":  # what search-server and index-builder do
-        from server.backends.threads import openmp_sleeps_when_idle
+        from server.backends.threads import limit_openmp_spinning
 
-        openmp_sleeps_when_idle()
+        limit_openmp_spinning()
     import torch
 
     from server.backends.threads import model_threads

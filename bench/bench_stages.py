@@ -198,6 +198,8 @@ def main(argv=None) -> int:
     from server.rpc import search_pb2_grpc as pb_grpc
     from server.transport.embedded import start_core_server
 
+    # models set their threads when they load: OMP_NUM_THREADS is the setting they keep
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
     print(f"torch.set_num_threads({args.threads}) -> torch.get_num_threads() = "
           f"{torch.get_num_threads()}, interop = {torch.get_num_interop_threads()}, "

@@ -214,9 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "terms), hybrid-dw4, hybrid-dw6 (weighted fusion, dense share 0.4/0.6), "
                          "hybrid-minmax (min-max score fusion), hybrid-deeplong (3x the "
                          "candidate depth for queries over 20 words)")
-    ev.add_argument("--compare", default="hybrid:hybrid-rrf",
+    ev.add_argument("--compare", default=None,
                     help="comma list of A:B mode pairs compared per query (randomization test and "
-                         "paired t-test on nDCG@10)")
+                         "paired t-test on nDCG@10; default hybrid:hybrid-rrf when both run)")
     ev.add_argument("--split", default="test", help="the qrels split (default %(default)s)")
     ev.add_argument("--depth", type=int, default=100,
                     help="documents ranked per query (default %(default)s)")
@@ -322,10 +322,11 @@ def cmd_build(args) -> int:
 
     from index_builder.build import audit_build, build_collection
     from index_builder.corpus import read_corpus
-    from server.backends.threads import usable_cores
+    from server.backends.threads import model_threads_now
     from server.core.collection import CollectionStore
 
-    faiss.omp_set_num_threads(usable_cores())  # training and adding: the container's CPU quota
+    # training and adding: the container's CPU quota (or the operator's OMP_NUM_THREADS)
+    faiss.omp_set_num_threads(model_threads_now())
     store = CollectionStore(args.data_dir)
     if args.build_id:
         _check_build_id_unused(store, args.collection, args.build_id,
@@ -575,8 +576,8 @@ def cmd_list(args) -> int:
                 if problems:  # (outside QA: a build whose vectors were gone listed as whole)
                     raise IndexCorruptError(problems[0] + (f" (and {len(problems) - 1} more)"
                                                            if len(problems) > 1 else ""))
-            except (IndexCorruptError, KeyError, TypeError, ValueError) as exc:
-                # one damaged build must not hide the others
+            except (IndexCorruptError, KeyError, TypeError, ValueError, OSError) as exc:
+                # one damaged (or unreadable) build must not hide the others
                 why = str(exc) or type(exc).__name__
                 print(f"  {'*' if b == live else ' '} {b}  DAMAGED: {why}")
                 damaged += 1
@@ -686,9 +687,9 @@ COMMANDS = {"build": cmd_build, "audit": cmd_audit, "publish": cmd_publish,
 
 
 def main(argv=None) -> None:
-    from server.backends.threads import openmp_sleeps_when_idle
+    from server.backends.threads import limit_openmp_spinning
 
-    openmp_sleeps_when_idle()  # before anything loads torch's or faiss's OpenMP runtime
+    limit_openmp_spinning()  # before anything loads torch's or faiss's OpenMP runtime
     args = build_parser().parse_args(argv)
     from server.errors import SearchError
 
@@ -705,7 +706,8 @@ def main(argv=None) -> None:
         rc = 0
     except KeyboardInterrupt:  # Ctrl-C: a build's staging directory is already removed
         print(f"index-builder {args.command}: interrupted"
-              + ("; nothing was published" if args.command == "build" else ""), file=sys.stderr)
+              + ("; an unfinished build was removed" if args.command == "build" else ""),
+              file=sys.stderr)
         rc = 130
     sys.exit(rc)
 

@@ -120,5 +120,5 @@ def _write_final_stats(**_kw):
         stats = StatsCSV(_ENV[0], PERCENTILES_TO_REPORT)
         with open(f"{prefix}_final_failures.csv", "w", newline="") as f:
             stats.failures_csv(csv.writer(f))
-        with open(f"{prefix}_final_stats.csv", "w", newline="") as f:  # last: run.py waits for it
+        with open(f"{prefix}_final_stats.csv", "w", newline="") as f:  # last: it says both are whole
             stats.requests_csv(csv.writer(f))

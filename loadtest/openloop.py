@@ -293,15 +293,18 @@ def summarize(args, queries: list[str], run: dict) -> dict:
     achieved = run["sent"] / run["window"] if run["window"] > 0 else 0.0
     planned = run["scheduled"] / args.duration  # = rate, or a Poisson draw around it
     kept_up = achieved >= 0.95 * planned and rec.max_lag_us / 1e3 <= max(100.0, 5e3 / args.rate)
-    pcts = rec.percentiles_ms()
-    judged = rec.p99_failures_slowest_ms()
-    over_budget = args.p99_budget_ms is not None and judged > args.p99_budget_ms
     # scheduled requests that never reported (none should: every one answers, fails or is
     # counted as unanswered) are failures too, not a smaller denominator
     missing = run["scheduled"] - ok - n_err
     if missing > 0:
+        rec.fail("NOT_REPORTED", "scheduled, never reported", missing)
         errors["NOT_REPORTED"] = missing
         n_err += missing
+    pcts = rec.percentiles_ms()
+    # no measured request at all (a run shorter than one gap): nothing to judge
+    judged = rec.p99_failures_slowest_ms() if ok + n_err else None
+    over_budget = (args.p99_budget_ms is not None and judged is not None
+                   and judged > args.p99_budget_ms)
     error_rate = n_err / max(1, run["scheduled"])
     too_many_errors = args.max_error_rate is not None and error_rate > args.max_error_rate
     return {
@@ -314,7 +317,7 @@ def summarize(args, queries: list[str], run: dict) -> dict:
         "latency_ms": pcts,
         "latency_of": "answered requests (failures are counted in errors)",
         "latency_from": "scheduled send time (coordinated-omission corrected)",
-        "p99_failures_slowest_ms": None if judged == float("inf") else judged,
+        "p99_failures_slowest_ms": None if judged in (None, float("inf")) else judged,
         "send_lag_ms": rec.send_lag_ms(),
         "generator_kept_up": kept_up,
         "p99_budget_ms": args.p99_budget_ms, "p99_over_budget": over_budget,
@@ -348,7 +351,9 @@ def report(s: dict, out=None) -> None:
           f"p99.9 {fmt(lat['p999'])}  max {fmt(lat['max'])}  mean {fmt(lat['mean'])}", file=out)
     judged = s["p99_failures_slowest_ms"]
     print(f"  p99 of all {s['count']}, failures ranked slowest: "
-          + (f"{judged:.2f} ms" if judged is not None else "unbounded (over 1% failed)"), file=out)
+          + (f"{judged:.2f} ms" if judged is not None else
+             "unbounded (over 1% failed)" if s["count"] else "none (no measured request)"),
+          file=out)
     cpu = s.get("cpu")
     if cpu and cpu["other_cores"] is not None:
         print(f"  CPU: this generator {cpu['generator_cores']:.2f} and other processes (the server "

@@ -209,6 +209,8 @@ def read_locust_csv(prefix: Path) -> dict:
 def run_locust(args, address: str) -> int:
     prefix = args.csv_prefix or Path(tempfile.mkdtemp(prefix="search-locust-")) / "search"
     prefix.parent.mkdir(parents=True, exist_ok=True)
+    for old in prefix.parent.glob(f"{prefix.name}_*.csv"):  # a reused prefix: never the last run's
+        old.unlink()
     seconds = math.ceil(args.duration)  # the warm-up ran before (main), outside Locust's figures
     env = dict(os.environ, LOADTEST_TARGET=address, LOADTEST_COLLECTION=args.collection,
                LOADTEST_MODE=args.mode, LOADTEST_TOP_K=str(args.top_k),
@@ -284,9 +286,13 @@ def main(argv=None) -> int:
         args.address = address
         before = {}
 
-        def measured_part_starts() -> None:  # the router's counters count the measured part only
+        def measured_part_starts() -> None:  # the router's counters from the first measured send
             if cluster:
-                before.update(router_counters(cluster.metrics_url))
+                try:
+                    before.update(router_counters(cluster.metrics_url))
+                except Exception as exc:  # noqa: BLE001 - the load goes on; the counters are extra
+                    print(f"note: the router's metrics could not be read ({exc}); no router "
+                          "counters for this run", flush=True)
 
         if args.locust:
             # Locust's figures are of the measured part alone
@@ -296,7 +302,7 @@ def main(argv=None) -> int:
                 code = run_locust(args, address)
         else:
             code = openloop.run(args, measured_part_starts)
-        if cluster:
+        if cluster and before:
             d = counters_delta(router_counters(cluster.metrics_url), before)
             slow = {cluster.replica_address(s, 0) for s in range(args.shards)
                     } if args.inject_delay_prob else set()

@@ -305,6 +305,27 @@ UNUSED = {
 }
 
 
+# Of those, the ones a role must not be given at all (security: a shard handed SEARCH_AUTH_TOKENS
+# served without authentication, as `shard --auth-tokens` did - outside QA): refused from a flag,
+# the environment or a file. The others are ignored with a note when they come from the
+# environment or a file, which one deployment may share between its roles.
+REFUSED_UNUSED = {("auth", "auth_tokens"), ("auth", "tenant"), ("auth", "shard_token_file")}
+
+
+def _unused(role: str, sec: str, name: str, where: str, set_: bool) -> bool:
+    """Whether (sec, name) is a setting `role` does not use: refused (ValueError) when it is one
+    of REFUSED_UNUSED and `set_` (given a value of its own), else True (to be ignored)."""
+    if (sec, name) not in UNUSED.get(role, ()):
+        return False
+    if (sec, name) in REFUSED_UNUSED and set_:
+        raise ValueError(f"{where}: `{role}` does not use this setting (it would be ignored, "
+                         f"which misleads); remove it for this process")
+    if set_:
+        print(f"search-server {role}: note: {where} is not used by `{role}`; ignored",
+              file=sys.stderr)
+    return True
+
+
 def _section_types() -> dict[str, type]:
     hints = typing.get_type_hints(ServerConfig)
     return {name: hints[name] for name in hints}
@@ -454,7 +475,8 @@ def load_config(command: str, args: Optional[argparse.Namespace] = None,
     `defaults_of`: start from that role's defaults (`config --print --role shard`) while reading
     every section the command takes."""
     environ = os.environ if environ is None else environ
-    cfg = default_config(defaults_of or command)
+    role = defaults_of or command  # whose settings these are (`config --role shard`: a shard's)
+    cfg = default_config(role)
     types = _section_types()
     values: dict[tuple[str, str], Any] = {}
     path = config_file or (getattr(args, "config", None) if args is not None else None)
@@ -473,18 +495,19 @@ def load_config(command: str, args: Optional[argparse.Namespace] = None,
             for key, value in table.items():
                 if key not in known:
                     raise ValueError(f"configuration file {path}: unknown key {key!r} in [{sec}]")
-                values[(sec, key)] = (value, f"{path} [{sec}] {key}")
+                where = f"{path} [{sec}] {key}"
+                default = getattr(getattr(default_config(role), sec), key)
+                if _unused(role, sec, key, where, value != default):
+                    continue
+                values[(sec, key)] = (value, where)
     for sec in COMMAND_SECTIONS[command]:
         for f in fields(types[sec]):
             name = ENV_PREFIX + f.name.upper()
             env = environ.get(name)
             if env is None:
                 continue
-            if (sec, f.name) in UNUSED.get(command, ()):
-                # refused as its flag is: a setting taken and ignored misleads (a shard given
-                # SEARCH_AUTH_TOKENS would serve without authentication - outside QA)
-                raise ValueError(f"environment {name}: `{command}` does not use this setting; "
-                                 f"unset it for this process")
+            if _unused(role, sec, f.name, f"environment {name}", env != ""):
+                continue
             if f.metadata.get("env_items"):  # a list whose items are lists of their own
                 env = [v.strip() for v in env.split(f.metadata["env_items"]) if v.strip()]
             values[(sec, f.name)] = (env, f"environment {name}")

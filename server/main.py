@@ -97,9 +97,9 @@ def health(address: str, service: str, timeout: float, tls_ca: Optional[Path] = 
 
 
 def main(argv=None) -> None:
-    from server.backends.threads import openmp_sleeps_when_idle
+    from server.backends.threads import limit_openmp_spinning
 
-    openmp_sleeps_when_idle()  # before anything loads torch's or faiss's OpenMP runtime
+    limit_openmp_spinning()  # before anything loads torch's or faiss's OpenMP runtime
     from server.config import load_config
 
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -124,17 +124,34 @@ def test_flags_a_role_does_not_use_are_refused_not_ignored():
     assert parse("router", ["--auth-tokens", "t.json"], {}).auth.auth_tokens == Path("t.json")
 
 
-def test_environment_variables_a_role_does_not_use_are_refused_as_their_flags_are():
+def test_settings_a_role_must_not_be_given_are_refused_from_the_environment_and_files(tmp_path,
+                                                                                    capsys):
     """Outside QA: SEARCH_AUTH_TOKENS given to a shard server was taken and ignored (it serves
-    without authentication), as `shard --auth-tokens` was before its flag was refused."""
+    without authentication), as `shard --auth-tokens` was before its flag was refused; a TOML
+    file's [auth] auth_tokens too (review). Those are refused; other settings a role does not use
+    are ignored with a note (one environment or file may serve every role of a deployment)."""
     for command, name in (("shard", "SEARCH_AUTH_TOKENS"), ("shard", "SEARCH_TENANT"),
-                          ("shard", "SEARCH_WORKERS"), ("serve", "SEARCH_SHARD_TOKEN_FILE"),
-                          ("router", "SEARCH_APPLY_BATCH"), ("router", "SEARCH_WORKERS")):
+                          ("serve", "SEARCH_SHARD_TOKEN_FILE")):
         with pytest.raises(ValueError, match=f"environment {name}: `{command}` does not use"):
-            parse(command, [], {name: "4"})
+            parse(command, [], {name: "x"})
+    for command, name, field in (("shard", "SEARCH_WORKERS", "workers"),
+                                 ("router", "SEARCH_WORKERS", "workers")):
+        cfg = parse(command, [], {name: "4"})
+        assert cfg.listen.workers == 1  # not applied
+        assert f"environment {name} is not used by `{command}`; ignored" in capsys.readouterr().err
+    assert parse("router", [], {"SEARCH_APPLY_BATCH": "9"}).replication.apply_batch != 9
     assert parse("router", [], {"SEARCH_AUTH_TOKENS": "t.json"}).auth.auth_tokens == Path("t.json")
     # settings every role reads are no one's problem
     assert str(parse("shard", [], {"SEARCH_DATA_DIR": "/d"}).storage.data_dir) == "/d"
+    toml = tmp_path / "shared.toml"
+    toml.write_text('[auth]\nauth_tokens = "/etc/tokens.json"\n')
+    with pytest.raises(ValueError, match=r"shared.toml \[auth\] auth_tokens: `shard` does not use"):
+        parse("shard", [], {}, toml)
+    assert parse("router", [], {}, toml).auth.auth_tokens == Path("/etc/tokens.json")
+    # `config --role shard` speaks for a shard
+    from server.config import load_config
+    with pytest.raises(ValueError, match="`shard` does not use"):
+        load_config("config", None, {"SEARCH_AUTH_TOKENS": "x"}, defaults_of="shard")
 
 
 def test_replica_sets_from_the_environment_keep_their_shards_apart():

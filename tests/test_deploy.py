@@ -31,6 +31,7 @@ else:  # pragma: no cover - Python 3.10
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
+K8S_GPU = DEPLOY / "k8s-gpu"  # an overlay of K8S (a sibling: kustomize refuses a base containing it)
 COMPOSE = DEPLOY / "compose" / "docker-compose.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboard.json"
 DOCKERFILE = REPO / "Dockerfile"
@@ -43,7 +44,7 @@ HEAVY = {"torch", "transformers", "tokenizers", "onnxruntime", "onnxruntime-gpu"
 # ------------------------------------------------------------------------------------ helpers
 def k8s_docs() -> list[tuple[Path, dict]]:
     out = []
-    for path in sorted(K8S.rglob("*.yaml")):
+    for path in sorted([*K8S.rglob("*.yaml"), *K8S_GPU.rglob("*.yaml")]):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
                 out.append((path, doc))
@@ -318,12 +319,16 @@ def test_gpu_shard_variant_requests_a_gpu_with_the_cuda_image():
 def test_the_gpu_overlay_patches_statefulsets_of_the_cpu_deployment():
     """Outside QA: the GPU variant said to keep its shard "out of the CPU set in
     kustomization.yaml", but both CPU shards live in search.yaml; it is an overlay now."""
-    kust = yaml.safe_load((K8S / "gpu" / "kustomization.yaml").read_text())
-    assert kust["resources"] == ["../"]
+    kust = yaml.safe_load((K8S_GPU / "kustomization.yaml").read_text())
+    assert kust["resources"] == ["../k8s"]
+    # review: an overlay inside its base's directory is a kustomize "cycle detected" error
+    for res in kust["resources"]:
+        base = (K8S_GPU / res).resolve()
+        assert not K8S_GPU.resolve().is_relative_to(base), f"{res} contains the overlay"
     cpu = {(d["kind"], name_of(d)) for p, d in k8s_docs() if p.parent == K8S and d["kind"] != "Kustomization"}
     assert kust["patches"]
     for patch in kust["patches"]:
-        (doc,) = list(yaml.safe_load_all((K8S / "gpu" / patch["path"]).read_text()))
+        (doc,) = list(yaml.safe_load_all((K8S_GPU / patch["path"]).read_text()))
         # a strategic-merge patch: the CPU object it replaces has its kind and name
         assert (doc["kind"], doc["metadata"]["name"]) in cpu, patch
 
@@ -464,12 +469,13 @@ def test_dockerfile_targets_users_and_healthchecks():
         assert checks and "search-server health" in checks[-1], f"{target}: no HEALTHCHECK"
         entry = instructions(stages, target, "ENTRYPOINT")
         assert entry and "search-server" in entry[-1], target
-        # state goes to the volume the image hands its user, whatever the command line (outside
-        # QA: the cuda image's default `serve` wrote under root-owned /data and could not start)
-        env = " ".join(instructions(stages, target, "ENV"))
-        assert "SEARCH_STATE_DIR=/state" in env, f"{target}: no SEARCH_STATE_DIR"
+        # the default command writes state to the volume the image hands its user (outside QA:
+        # the cuda image's default `serve` wrote under root-owned /data and could not start)
         runs = " ".join(instructions(stages, target, "RUN"))
         assert "chown 10001:10001 /state" in runs, f"{target}: /state not the user's"
+        cmd = instructions(stages, target, "CMD")
+        if target != "shard":  # the shard image has no default role: its manifests pass --state-dir
+            assert cmd and '"--state-dir", "/state"' in cmd[-1], f"{target}: {cmd}"
     assert stages[stage_chain(stages, "cuda")[-1]]["base"].startswith("nvidia/cuda:")
     # shard: the project with --no-deps plus the shard requirements, and no heavy packages
     build = next(s for s in stages if s != "shard" and any(
@@ -615,6 +621,8 @@ def test_dashboard_is_importable_json():
         assert all(isinstance(g[k], int) for k in ("h", "w", "x", "y")) and g["x"] + g["w"] <= 24, p["title"]
         if p["type"] != "row":
             assert p["datasource"]["uid"] == ds_ref and p["targets"], p["title"]
+            refs = [t["refId"] for t in p["targets"]]  # Grafana keeps one query per refId
+            assert len(refs) == len(set(refs)), f"{p['title']}: refIds {refs}"
     for title, expr in dashboard_exprs(dash):
         assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), title
         for var in re.findall(r"\$(\w+)", expr):

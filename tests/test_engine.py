@@ -393,8 +393,10 @@ def test_recovery_deletes_a_cut_off_groups_pending_rows_and_orphans_earlier_ones
 def test_batches_run_one_at_a_time_on_a_gpu_and_one_per_spare_core_on_the_cpu(monkeypatch):
     import os
 
+    from server.backends import threads
     from server.core.engine.local import dense_workers
 
+    monkeypatch.setattr(threads, "_cgroup_quota", lambda *a, **k: None)  # a host with no quota
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert dense_workers(0, "cpu") == 4 and dense_workers(0, "cuda:0") == 1
     assert dense_workers(3, "cuda:0") == 3         # a configured number wins
@@ -568,10 +570,9 @@ def test_a_backlog_of_full_batches_uses_the_burst_workers_and_a_trickle_does_not
     assert handed_over == 3
     assert got == [i * 10 for i in range(1, 10)]             # every caller its own answer
     # the CPU rule: one core left to the front end, every core for a backlog, 1 on a GPU
-    import os
     assert burst_workers(0, "cuda:0") == 1 and burst_workers(3, "cpu") == 3
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert burst_workers(0, "cpu") == max(1, min(4, n)) >= dense_workers(0, "cpu")
+    from server.backends.threads import usable_cores
+    assert burst_workers(0, "cpu") == max(1, min(4, usable_cores())) >= dense_workers(0, "cpu")
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "setpriority"), reason="no per-thread priority")

@@ -123,8 +123,8 @@ def test_eval_plots_without_their_packages_fail_before_the_evaluation(monkeypatc
     (["--compare", "hybrid"], "give mode pairs as A:B"),
     (["--compare", "lexical:bogus"], "bogus not among --modes"),
     (["--modes", "dense,lexical", "--compare", "hybrid:lexical"], "hybrid not among --modes"),
-    (["--depth", "0"], "--depth 0: between 1 and 500"),
-    (["--depth", "-5"], "--depth -5: between 1 and 500"),
+    (["--depth", "0"], "--depth 0: between 1 and 1000"),
+    (["--depth", "-5"], "--depth -5: between 1 and 1000"),
     (["--dataset", "{tmp}/missing"], "queries.jsonl is missing"),
 ])
 def test_eval_arguments_are_refused_before_anything_runs(tmp_path, argv, error):
@@ -143,6 +143,23 @@ def test_eval_arguments_are_refused_before_anything_runs(tmp_path, argv, error):
     args = build_parser().parse_args(["eval", "--dataset", str(good), "--address", "127.0.0.1:1",
                                       *argv])
     with pytest.raises(ValueError, match=re.escape(error)):
+        run_eval(args)
+
+
+def test_eval_of_modes_without_the_default_pair_compares_nothing_and_runs(tmp_path):
+    """Review: `eval --modes lexical` was refused because the default --compare named modes it
+    did not run; it reaches the server (none here: UNAVAILABLE, not an argument error)."""
+    from index_builder.cli import build_parser
+    from index_builder.evaluate import run_eval
+    from harness.processes import free_port
+
+    good = tmp_path / "good"
+    (good / "qrels").mkdir(parents=True)
+    (good / "queries.jsonl").write_text('{"_id": "1", "text": "q"}\n')
+    (good / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n1\t1\t1\n")
+    args = build_parser().parse_args(["eval", "--dataset", str(good), "--modes", "lexical",
+                                      "--address", f"127.0.0.1:{free_port()}"])
+    with pytest.raises(ValueError, match="UNAVAILABLE"):
         run_eval(args)
 
 

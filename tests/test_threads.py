@@ -32,20 +32,43 @@ def _cgroup(tmp_path, v2=None, v1=None):
     (None, None, None),                  # no cgroup files at all (not Linux, or not mounted)
 ])
 def test_the_cgroup_cpu_quota_is_read_in_either_version(tmp_path, v2, v1, quota):
-    assert threads._cgroup_quota(_cgroup(tmp_path, v2, v1)) == quota
+    assert threads._cgroup_quota(_cgroup(tmp_path, v2, v1), "0::/\n1:cpu:/\n") == quota
+
+
+def test_the_tightest_quota_of_the_process_cgroup_and_its_ancestors_counts(tmp_path):
+    """Review: only the mount's root was read, which misses a quota set on the process's own
+    cgroup (no cgroup namespace: systemd CPUQuota=, --cgroupns=host) or on an ancestor."""
+    pod = tmp_path / "kubepods" / "pod1"
+    (pod / "ctr").mkdir(parents=True)
+    (pod / "cpu.max").write_text("200000 100000\n")
+    v2 = "0::/kubepods/pod1/ctr\n"
+    assert threads._cgroup_quota(tmp_path, v2) == 2.0        # the ancestor's
+    (pod / "ctr" / "cpu.max").write_text("50000 100000\n")
+    assert threads._cgroup_quota(tmp_path, v2) == 0.5        # the tighter one, its own
+    assert threads.usable_cores(tmp_path, v2) == 1
+    v1_dir = tmp_path / "cpu,cpuacct" / "docker" / "abc"
+    v1_dir.mkdir(parents=True)
+    (v1_dir / "cpu.cfs_quota_us").write_text("300000\n")
+    (v1_dir / "cpu.cfs_period_us").write_text("100000\n")
+    other = tmp_path / "v1only"
+    other.mkdir()
+    (other / "cpu,cpuacct").symlink_to(tmp_path / "cpu,cpuacct")
+    assert threads._cgroup_quota(other, "4:memory:/x\n3:cpu,cpuacct:/docker/abc\n") == 3.0
+    assert threads._cgroup_quota(other, "4:memory:/x\n") is None  # no cpu controller listed
 
 
 def test_usable_cores_are_capped_by_the_quota_rounded_up(tmp_path):
     affinity = len(os.sched_getaffinity(0))
-    assert threads.usable_cores(_cgroup(tmp_path, "max 100000")) == affinity
+    root = "0::/\n"
+    assert threads.usable_cores(_cgroup(tmp_path, "max 100000"), root) == affinity
     capped = tmp_path / "capped"
     capped.mkdir()
     # half a core still gets a thread; 1.5 cores get 2, as a container's --cpus 1.5 can use both
-    assert threads.usable_cores(_cgroup(capped, "50000 100000")) == 1
+    assert threads.usable_cores(_cgroup(capped, "50000 100000"), root) == 1
     (capped / "cpu.max").write_text("150000 100000")
-    assert threads.usable_cores(capped) == min(affinity, 2)
+    assert threads.usable_cores(capped, root) == min(affinity, 2)
     (capped / "cpu.max").write_text(f"{100000 * (affinity + 8)} 100000")
-    assert threads.usable_cores(capped) == affinity  # a quota above the affinity: the affinity
+    assert threads.usable_cores(capped, root) == affinity  # above the affinity: the affinity
 
 
 def test_front_ends_split_the_cores_between_their_models(tiny_embedder_dir, monkeypatch):
@@ -54,15 +77,16 @@ def test_front_ends_split_the_cores_between_their_models(tiny_embedder_dir, monk
     from server.backends.models import Embedder
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "usable_cores", lambda *a: 8)  # a split shows on any host
     before = torch.get_num_threads()
     try:
         threads.share_cores_with(2)
-        assert threads.model_threads_now() == max(1, threads.usable_cores() // 2)
+        assert threads.model_threads_now() == 4
         Embedder(tiny_embedder_dir)
-        assert torch.get_num_threads() == max(1, threads.usable_cores() // 2)
+        assert torch.get_num_threads() == 4
         threads.share_cores_with(1)
         Embedder(tiny_embedder_dir)
-        assert torch.get_num_threads() == threads.usable_cores()
+        assert torch.get_num_threads() == 8
         monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the operator's own choice stands
         Embedder(tiny_embedder_dir)
         assert torch.get_num_threads() == 3
@@ -87,7 +111,9 @@ def test_the_entry_points_make_openmp_threads_sleep_before_any_runtime_loads(tmp
     # settings as it loaded, so they were in place before the first runtime read them
     server = _openmp_settings(["server.main", "serve", "--data-dir", str(not_a_dir), "--port", "0"])
     assert "is not a directory" in server
+    # both libgomp copies (faiss's and torch's) loaded after it: neither at libgomp's default
     assert server.count("GOMP_SPINCOUNT = '10000'") >= 1, server
+    assert "GOMP_SPINCOUNT = '300000'" not in server, server
     builder = _openmp_settings(["index_builder.cli", "build", "--data-dir", str(tmp_path / "d"),
                                 "--collection", "c", "--corpus", str(tmp_path / "missing.jsonl")])
     assert "missing.jsonl" in builder and "GOMP_SPINCOUNT = '10000'" in builder, builder

@@ -222,7 +222,9 @@ class ReplicaSet:
         try:
             result = await op(self.replicas[i], timeout)
         except asyncio.CancelledError:
-            if timed:  # a hedge won: the slow call's time must not vanish from the replica's view
+            # given up (a hedge answered first, or the request ended: its deadline, its caller
+            # gone): the slow call's time must not vanish from the replica's view
+            if timed:
                 metrics.labelled(metrics.SHARD_ABANDONED_SECONDS, str(self.shard_no),
                                  name).observe(time.perf_counter() - t0)
             raise
