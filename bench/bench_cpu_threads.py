@@ -231,15 +231,19 @@ def server_main(args) -> None:
                           flush=True)
     print(f"\ncores: {len(os.sched_getaffinity(0))}; median of {args.rounds} rounds; "
           f"{args.writers} writers\n")
-    print("| server | threads | neighbours | hybrid query p50 / p99 ms | text upserts/s | other cpu |")
-    print("|---|---|---|---|---|---|")
-    for n in neighbours:
-        for sname in servers:
-            for cname in configs:
-                rs = results[(sname, cname, n)]
-                med = {k: statistics.median(x[k] for x in rs) for k in ("p50", "p99", "upserts_s", "other_cpu")}
-                print(f"| {sname} | {cname} | {n} | {med['p50']:.2f} / {med['p99']:.2f} | "
-                      f"{med['upserts_s']:.1f} | {med['other_cpu']:.2f} |")
+    _table(["server", "threads"], "hybrid query", "text upserts/s", "upserts_s",
+           {(sname, cname, n): results[(sname, cname, n)]
+            for n in neighbours for sname in servers for cname in configs})
+
+
+def _table(labels: list, latency: str, rate: str, rate_key: str, cells: dict) -> None:
+    """One markdown row per cell (its labels, then the neighbour count): medians over rounds."""
+    print(f"| {' | '.join(labels)} | neighbours | {latency} p50 / p99 ms | {rate} | other cpu |")
+    print("|---" * (len(labels) + 4) + "|")
+    for (*names, n), rs in cells.items():
+        med = {k: statistics.median(x[k] or 0.0 for x in rs) for k in ("p50", "p99", rate_key, "other_cpu")}
+        print(f"| {' | '.join(map(str, names))} | {n} | {med['p50']:.2f} / {med['p99']:.2f} | "
+              f"{med[rate_key]:.1f} | {med['other_cpu']:.2f} |")
 
 
 def main() -> None:
@@ -269,14 +273,9 @@ def main() -> None:
                 print(f"round {r + 1}: {p:9s} neighbours={n}: {res}", file=sys.stderr, flush=True)
     print(f"\ncores: {len(os.sched_getaffinity(0))}; median of {args.rounds} rounds; 'other cpu' is "
           f"processes outside this benchmark's (its neighbours are its own)\n")
-    print("| policy | torch threads | neighbours | query p50 / p99 ms | passages/s | other cpu |")
-    print("|---|---|---|---|---|---|")
-    for n in neighbours:
-        for p in policies:
-            rs = results[(p, n)]
-            med = {k: statistics.median(x[k] or 0.0 for x in rs) for k in ("p50", "p99", "passages_s", "other_cpu")}
-            print(f"| {p} | {rs[0]['threads']} | {n} | {med['p50']:.2f} / {med['p99']:.2f} | "
-                  f"{med['passages_s']:.1f} | {med['other_cpu']:.2f} |")
+    _table(["policy", "torch threads"], "query", "passages/s", "passages_s",
+           {(p, results[(p, n)][0]["threads"], n): results[(p, n)]
+            for n in neighbours for p in policies})
 
 
 if __name__ == "__main__":
