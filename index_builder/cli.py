@@ -387,10 +387,13 @@ def _load_npy(path: Path, flag: str):
     import numpy as np
 
     try:
+        with open(path, "rb") as f:
+            is_npy = f.read(6) == b"\x93NUMPY"
+        if not is_npy:  # numpy would take any other file for a pickle
+            raise ValueError("not a .npy file")
         return np.load(path, allow_pickle=False)
     except ValueError as exc:
-        why = ("not a .npy file of numbers: numpy read it as pickled Python objects, which are "
-               "never loaded" if "allow_pickle" in str(exc)
+        why = ("it holds Python objects, not numbers" if "allow_pickle" in str(exc)
                else str(exc).split("\n")[0])
         raise ValueError(f"{flag} {path}: not a numeric .npy array ({why})") from None
 

@@ -221,11 +221,13 @@ def run_eval(args) -> int:
     from server.rpc import search_pb2_grpc as pb_grpc
 
     datasets = _datasets(args.dataset)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         print(f"unknown modes {unknown}; use {sorted(MODES)}", file=sys.stderr)
         return 2
+    if not modes:  # (re-probe: an empty list evaluated nothing and exited 0)
+        raise ValueError(f"--modes {args.modes!r} names no mode; use some of {sorted(MODES)}")
     # every argument is checked before the evaluation runs, not after (outside QA: a malformed
     # --compare failed once every mode had run, and lost the results)
     compare = []
@@ -236,8 +238,9 @@ def run_eval(args) -> int:
         if not pair:
             continue
         a, sep, b = pair.partition(":")
-        if not sep or not a or not b or ":" in b:
-            raise ValueError(f"--compare {pair!r}: give mode pairs as A:B, e.g. hybrid:hybrid-rrf")
+        if not sep or not a or not b or ":" in b or a == b:
+            raise ValueError(f"--compare {pair!r}: give pairs of two modes as A:B, e.g. "
+                             "hybrid:hybrid-rrf")
         missing = [m for m in (a, b) if m not in modes]
         if missing:
             raise ValueError(f"--compare {pair}: {', '.join(missing)} not among --modes "

@@ -506,7 +506,8 @@ def load_config(command: str, args: Optional[argparse.Namespace] = None,
             env = environ.get(name)
             if env is None:
                 continue
-            if _unused(role, sec, f.name, f"environment {name}", env != ""):
+            # set = a value of its own (SEARCH_TENANT=default names the default: no conflict)
+            if _unused(role, sec, f.name, f"environment {name}", env not in ("", str(f.default))):
                 continue
             if f.metadata.get("env_items"):  # a list whose items are lists of their own
                 env = [v.strip() for v in env.split(f.metadata["env_items"]) if v.strip()]

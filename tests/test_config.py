@@ -140,6 +140,7 @@ def test_settings_a_role_must_not_be_given_are_refused_from_the_environment_and_
         assert cfg.listen.workers == 1  # not applied
         assert f"environment {name} is not used by `{command}`; ignored" in capsys.readouterr().err
     assert parse("router", [], {"SEARCH_APPLY_BATCH": "9"}).replication.apply_batch != 9
+    assert parse("shard", [], {"SEARCH_TENANT": "default"}).auth.tenant == "default"  # the default
     assert parse("router", [], {"SEARCH_AUTH_TOKENS": "t.json"}).auth.auth_tokens == Path("t.json")
     # settings every role reads are no one's problem
     assert str(parse("shard", [], {"SEARCH_DATA_DIR": "/d"}).storage.data_dir) == "/d"

@@ -120,7 +120,9 @@ def test_eval_plots_without_their_packages_fail_before_the_evaluation(monkeypatc
 
 
 @pytest.mark.parametrize("argv, error", [
-    (["--compare", "hybrid"], "give mode pairs as A:B"),
+    (["--compare", "hybrid"], "give pairs of two modes as A:B"),
+    (["--modes", "lexical", "--compare", "lexical:lexical"], "give pairs of two modes as A:B"),
+    (["--modes", ","], "names no mode"),  # re-probe: evaluated nothing and exited 0
     (["--compare", "lexical:bogus"], "bogus not among --modes"),
     (["--modes", "dense,lexical", "--compare", "hybrid:lexical"], "hybrid not among --modes"),
     (["--depth", "0"], "--depth 0: between 1 and 1000"),

@@ -55,6 +55,15 @@ def test_recorder_exact_percentiles_never_above_max():
     assert dict(rec.errors) == {"UNAVAILABLE": 1} and rec.failed == 1
 
 
+def test_a_run_too_short_for_one_request_is_refused():
+    """Re-probe: --duration shorter than one arrival gap measured nothing and was "within the
+    budget", exit 0."""
+    out = subprocess.run([sys.executable, str(REPO / "loadtest" / "openloop.py"), "--rate", "1",
+                          "--duration", "0.3", "--p99-budget-ms", "10"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "measures no request" in out.stderr, out.stderr
+
+
 def test_failures_never_pull_the_judged_p99_down():
     """Outside QA: a failed request's (fast) latency went into the same histogram, so requests
     shed in a millisecond lowered p99, and a run where nothing answered was "within the budget".
@@ -182,3 +191,13 @@ def test_locust_figures_leave_out_the_warm_up_and_list_every_failure(demo, tmp_p
     assert 0 < res["requests"] <= 26, res
     assert res["failures"] == res["requests"] and res["complete"]
     assert sum(int(r["Occurrences"]) for r in res["failure_rows"]) == res["failures"]
+    assert proc.returncode == 0  # failures accepted (--max-error-rate 1), no budget
+    # re-probe: a Locust run of failures exited with Locust's own 1 and judged a p99 that fast
+    # failures had pulled down; the open loop's rules now: exit 4, before any budget's 3
+    (tmp_path / "csv" / "s_keep.csv").write_text("mine")  # not Locust's: never removed
+    strict = run(["--address", address, "--locust", "--users", "1", "--rate", "4", "--duration",
+                  "2", "--warmup", "0", "--mode", "lexical", "--collection", "nosuch",
+                  "--p99-budget-ms", "60000", "--csv-prefix", str(tmp_path / "csv" / "s")],
+                 timeout=150)
+    assert strict.returncode == 4 and "FAIL" in strict.stdout, strict.stdout + strict.stderr
+    assert (tmp_path / "csv" / "s_keep.csv").read_text() == "mine"

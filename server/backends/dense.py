@@ -50,6 +50,9 @@ def make_index(factory: str, dim: int, metric: str) -> faiss.Index:
     m = re.search(r"HNSW(\d+)", factory)
     if m and int(m.group(1)) < 2:  # faiss aborts (M=0) or crashes (M=1) while adding: no error
         raise ValueError(f"{factory}: HNSW needs at least 2 links per node (HNSW32 is usual)")
+    m = re.search(r"NSG(\d+)", factory)
+    if m and int(m.group(1)) < 8:  # faiss's graph build ran on for ever at R 0-4 (outside QA)
+        raise ValueError(f"{factory}: NSG needs at least 8 links per node (NSG32 is usual)")
     try:
         index = faiss.index_factory(dim, factory, METRICS[metric])
     except RuntimeError as exc:
@@ -442,8 +445,9 @@ def build_dense(factory: str, dim: int, metric: str, vectors: Callable[[], "np.n
 
 
 def _faiss_reason(exc: RuntimeError) -> str:
-    """faiss's own sentence out of its multi-line "Error in ... at FILE:LINE: Error: '...'"."""
+    """faiss's own sentence out of its "Error in FUNCTION at FILE:LINE: Error: 'CONDITION' failed:
+    SENTENCE" (the sentence when there is one, else the condition or the message)."""
     text = " ".join(str(exc).split())
-    m = re.search(r"Error: '(.*?)' failed$|Error: (.*)$", text)
-    reason = (m.group(1) or m.group(2)) if m else text
-    return reason.strip(" '")[:300]
+    m = (re.search(r"' failed: (.+)$", text) or re.search(r"Error: '(.*?)' failed$", text)
+         or re.search(r"Error: (.+)$", text) or re.search(r"^Error in .*? at \S+:\d+: (.+)$", text))
+    return (m.group(1) if m else text).strip(" '")[:300]
