@@ -43,6 +43,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int, host: str = "127.0.0.1", tries: int = 50) -> int:
+    """The first of `n` consecutive TCP ports that were all free a moment ago (`serve --workers N`
+    serves metrics on METRICS and the next N ports: one free port alone left the others to luck)."""
+    for _ in range(tries):
+        base = free_port(host)
+        if base + n > 65536:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found on {host}")
+
+
 class ServiceProcess:
     """A `search-server` process (`python -m server.main ARGS`), ready once it prints its
     "listening on HOST:PORT" line; `prefix` runs it under another command (e.g. `ip netns exec`).

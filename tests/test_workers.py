@@ -19,13 +19,13 @@ from server.rpc import search_pb2_grpc as pb_grpc
 from server.transport.engine_link import sweep_socket_dirs
 
 from conftest import REPO, ServiceProcess, start_core_server
-from harness.processes import free_port
+from harness.processes import free_port, free_port_run
 
 
 @pytest.fixture(scope="module")
 def workers(small_collection, tiny_embedder_dir):
     data, _ = small_collection
-    port, metrics = free_port(), free_port()
+    port, metrics = free_port(), free_port_run(3)  # the engine's, then each front end's
     server = ServiceProcess(
         ["serve", "--data-dir", str(data), "--port", str(port), "--workers", "2", "--metrics-port",
          str(metrics), "--device", "cpu", "--embedder", str(tiny_embedder_dir), "--embedder-name",
