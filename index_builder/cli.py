@@ -548,15 +548,27 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from server.core.collection import CollectionStore
+    from server.core.collection import DESCRIPTOR, NAME, CollectionStore
     from server.errors import IndexCorruptError
 
     if not Path(args.data_dir).exists():  # a typo listed nothing and exited 0 (a file: main)
         print(f"data directory {args.data_dir} does not exist", file=sys.stderr)
         return 2
     store = CollectionStore(args.data_dir)
-    names = [args.collection] if args.collection else store.collections(unpublished=True)
-    if args.collection and not store.builds(args.collection):
+
+    def build_dirs(name: str) -> list[str]:
+        """Every build directory, with its descriptor or not (staging ones aside): one that lost
+        its descriptor is damaged, not absent (re-probe: such a build was left out of the list,
+        or called gone while its files were there)."""
+        d = store.collection_dir(name) / "builds"
+        return sorted(p.name for p in d.iterdir()
+                      if p.is_dir() and not p.name.startswith(".")) if d.is_dir() else []
+
+    names = [args.collection] if args.collection else sorted(
+        set(store.collections(unpublished=True))
+        | {p.name for p in Path(args.data_dir).iterdir()
+           if p.is_dir() and NAME.match(p.name) and build_dirs(p.name)})
+    if args.collection and not build_dirs(args.collection):
         print(f"collection {args.collection!r} has no builds under {args.data_dir}", file=sys.stderr)
         return 2
     published = set(store.collections())
@@ -565,11 +577,18 @@ def cmd_list(args) -> int:
         live = store.alias(name).get("live") if name in published else None
         print(name if live else f"{name}  (not published)")
         alias = store.alias(name) if live else {}
+        builds_dir = store.collection_dir(name) / "builds"
+        headless = [b for b in build_dirs(name) if b not in store.builds(name)]
         for role, b in (("live", live), ("the rollback target", alias.get("previous"))):
-            if b and b not in store.builds(name):  # (outside QA: a gone live build was unsaid)
+            if b and b not in store.builds(name) and b not in headless:
+                # (outside QA: a gone live build was unsaid)
                 print(f"  ! {b}  MISSING: the alias names it as {role}, but it is gone"
                       + ("; publish a build listed here" if role == "live" else ""))
                 damaged += 1
+        for b in headless:
+            print(f"  {'*' if b == live else ' '} {b}  DAMAGED: its release descriptor "
+                  f"{builds_dir / b / DESCRIPTOR} is missing")
+            damaged += 1
         for b in store.builds(name):
             try:
                 d = store.descriptor(name, b)

@@ -767,6 +767,13 @@ def test_list_finds_missing_and_truncated_build_files_and_with_verify_altered_on
     (shard / "vectors.npy").unlink()
     listing = cli("list", "--data-dir", tmp_path / "data")
     assert listing.returncode == 1 and "vectors.npy is missing" in listing.stdout, listing.stdout
+    # re-probe: a build whose descriptor was gone was left out of the list
+    (tmp_path / "data" / "lost+found").mkdir()  # what a volume's root may hold: not a collection
+    (store.build_dir("c", build) / "release.json").unlink()
+    for only in ((), ("--collection", "c")):
+        listing = cli("list", "--data-dir", tmp_path / "data", *only)
+        assert listing.returncode == 1, listing.stdout + listing.stderr
+        assert f"{build}  DAMAGED: its release descriptor" in listing.stdout, listing.stdout
 
 
 def test_bad_tenant_flag_and_vector_files_name_the_flag(tmp_path):
