@@ -118,7 +118,8 @@ class PipelineConfig:
                              maximum=limits.MAX_DEPTH)
     default_rrf_k: int = opt(60, "reciprocal rank fusion constant when a request names none", minimum=1,
                              maximum=limits.MAX_RRF_K)
-    dedupe: bool = opt(True, "drop passages whose text repeats one already in the context")
+    dedupe: bool = opt(True, "drop passages whose title and text (whitespace and case folded) "
+                             "repeat one already in the context")
     collection_term_stats: bool = opt(True, "score BM25 with the whole collection's term "
                                             "statistics (one more round to every shard before a "
                                             "lexical or hybrid search of a collection of several "

@@ -123,7 +123,7 @@ def test_deeper_rounds_go_on_while_the_page_is_short_and_the_list_full(tmp_path,
     [r] = _search(_served(tmp_path, tiny_embedder, docs), dict(text="shock", top_k=5, mode="lexical"))
     ids = [h.candidate.record.doc_id for h in r.hits]
     assert len(ids) == 5 and sum(i.startswith("dup") for i in ids) == 1, ids
-    assert any("640 deep" in n for n in r.notes), r.notes
+    assert any("640 per list" in n for n in r.notes), r.notes
 
 
 def test_duplicates_never_leave_a_hybrid_page_short(tmp_path):
@@ -162,7 +162,7 @@ def test_duplicates_never_leave_a_hybrid_page_short(tmp_path):
     r = asyncio.run(go())
     ids = [h.candidate.record.doc_id for h in r.hits]
     assert len(ids) == 5 and ids[0].startswith("dup") and sum(i.startswith("dup") for i in ids) == 1
-    assert any("160 deep" in n for n in r.notes), r.notes  # 10 -> 40 -> 160
+    assert any("160 per list" in n for n in r.notes), r.notes  # 10 -> 40 -> 160
     fused = [h.fused[1] for h in r.hits]
     assert fused == sorted(fused, reverse=True)
 
@@ -267,7 +267,29 @@ def test_repeats_and_a_budget_read_deeper_only_until_the_budget_ends_the_page(tm
     [r] = _search(_served(tmp_path, tiny_embedder, docs),
                   dict(text=same, top_k=5, mode="dense", context_token_budget=20))
     assert len(r.hits) == 1
-    assert sum("deep" in n for n in r.notes) == 1, r.notes
+    # one deeper round (10 -> 40), not a second (160); one note, naming the last round
+    assert [n for n in r.notes if "deeper" in n] == [n for n in r.notes if "40 per list" in n], r.notes
+    assert sum("deeper" in n for n in r.notes) == 1, r.notes
+
+
+def test_a_passage_skipped_for_the_budget_does_not_stop_repeats_from_reading_deeper(
+        tmp_path, tiny_embedder):
+    """Outside QA: repeats filled the first candidates and one long passage among them was
+    skipped for the budget; that skip ended the page at 1 passage of 20 tokens with 130 left,
+    where the same query pinned deeper filled 5. The budget ends a page only once what it has
+    left is less than the smallest passage read."""
+    from index_builder.corpus import Document
+
+    docs = [Document(f"dup{i}", "harbor notice fog") for i in range(8)]
+    docs.append(Document("long", "harbor notice " + " ".join(f"word{j}" for j in range(200))))
+    docs += [Document(f"other{i}", f"harbor crane number {i}") for i in range(6)]
+    core = _served(tmp_path, tiny_embedder, docs)
+    core.pipeline.encoders.count_tokens = lambda texts: [len(t.split()) for t in texts]
+    [r] = _search(core, dict(text="harbor notice", top_k=5, mode="lexical",
+                             context_token_budget=150))
+    ids = [h.candidate.record.doc_id for h in r.hits]
+    assert len(ids) == 5 and "long" not in ids and sum(i.startswith("dup") for i in ids) == 1, ids
+    assert r.context_tokens <= 150 and any("deeper" in n for n in r.notes), r.notes
 
 
 def test_a_budget_that_fits_no_passage_does_not_deepen_a_hybrid_query(tmp_path, tiny_embedder):
@@ -300,6 +322,8 @@ def test_a_budget_that_fits_no_passage_does_not_deepen_a_hybrid_query(tmp_path, 
     r = asyncio.run(go())
     assert r.hits == [] and not any("deep" in n for n in r.notes)
     assert len(counted) <= 20  # the first round's candidates only (10 per list)
+    # outside QA: the empty page said nothing of why
+    assert any(n.startswith("the token budget of 10 fit none of the") for n in r.notes), r.notes
 
 
 def test_equal_bm25_scores_are_cut_at_the_depth_by_chunk_id(tmp_path, tiny_embedder):

@@ -435,3 +435,33 @@ def test_bm25_ranks_alike_whatever_the_shard_count(tmp_path, tiny_embedder):
     res = codec.shard_result_from_pb(codec.shard_result_to_pb(ShardResult(0, "v", [], [], term_stats=stats)))
     assert res.term_stats == stats
     assert codec.shard_result_from_pb(codec.shard_result_to_pb(ShardResult(0, "v", [], []))).term_stats is None
+
+
+def test_identical_passages_get_one_cross_encoder_score_whatever_the_batching(tiny_reranker_dir):
+    """Outside QA: a pair scored in two model batches differed in its last bits (padding), so of
+    identical passages an answer cited one or another by how the request was batched (Search
+    against SearchBatch, traced or not). Each distinct text is now scored once per query: copies
+    tie exactly and break by chunk id."""
+    import asyncio
+
+    from server.backends.device import Device
+    from server.backends.models import CrossEncoder
+    from server.core.encoders import Encoders
+
+    reranker = CrossEncoder(tiny_reranker_dir, Device("cpu"))
+    scored = []
+    real = reranker.score
+    reranker.score = lambda pairs: scored.extend(pairs) or real(pairs)
+    enc = Encoders(None, reranker)
+    same = "a harbor notice about fog and the tide tables for the week"
+    passages = [same, "another text entirely", same, "a third one", same]
+
+    async def go():
+        try:
+            return await enc.rerank("harbor fog", passages, None)
+        finally:
+            await enc.close()
+
+    scores = asyncio.run(go())
+    assert scores[0] == scores[2] == scores[4]  # exactly: one score for the text
+    assert sorted(p for _, p in scored) == sorted(set(passages))  # each text scored once

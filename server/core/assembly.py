@@ -28,6 +28,7 @@ class ContextAssembler:
         self.selected: list[RankedHit] = []
         self.dropped: list[tuple[RankedHit, str]] = []
         self.used = 0
+        self.smallest_cost: Optional[int] = None  # the fewest tokens of any passage offered
         self._seen: dict[int, int] = {}
 
     @property
@@ -50,6 +51,8 @@ class ContextAssembler:
                 self.dropped.append((hit, f"duplicate_of:{self._seen[key]}"))
                 return False
         if self.token_budget > 0:
+            if self.smallest_cost is None or cost < self.smallest_cost:
+                self.smallest_cost = cost
             if self.used + cost > self.token_budget:
                 self.dropped.append((hit, f"over_token_budget:{cost}>{self.token_budget - self.used}"))
                 return False

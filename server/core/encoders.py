@@ -120,10 +120,17 @@ class Encoders:
         if self.rerank_batcher is None:
             raise FailedPrecondition("rerank_depth was given but this server has no cross-encoder "
                                      "(start it with --reranker DIR)")
-        return [float(s) for s in await asyncio.gather(*(
+        # each distinct text scored once: the same pair in two model batches can score apart in
+        # the last bits (padding changes the arithmetic), which made identical passages order -
+        # and an answer cite one or another - by how the request was batched (outside QA);
+        # scored once, they tie exactly and break by chunk id
+        distinct = list(dict.fromkeys(passages))
+        scores = await asyncio.gather(*(
             self.rerank_batcher.submit((query, p), (len(query) + len(p)) // 4 + 3, deadline,
                                        flow=flow)
-            for p in passages))]
+            for p in distinct))
+        by_text = {p: float(s) for p, s in zip(distinct, scores)}
+        return [by_text[p] for p in passages]
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Blocking: call from a worker thread (context budgets)."""

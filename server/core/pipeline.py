@@ -104,6 +104,7 @@ class _Query:
 # query on a loaded 2-core host. One 250 ms budget for a whole batch left every query of a cold
 # batch of 16 on per-shard statistics, ranked unlike the same query sent alone (outside QA);
 # the caps bound what a hung shard costs a batch
+DEEPER_NOTE = "read deeper"  # how the note of a deeper round starts (one note: the last round's)
 STATS_ROUND_MAX_S = 0.25
 STATS_ROUND_SHARE = 0.1
 STATS_ROUND_PER_QUERY_S = 0.05
@@ -720,6 +721,10 @@ class QueryPipeline:
             ranked = pre_rerank = self._ranking(st, dense_kind)
             a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
         self._stamp(st, "assembly", t)
+        if q.context_token_budget and not a.selected and a.dropped:  # (outside QA: an empty
+            read = len(a.selected) + len(a.dropped)                   # page, and no word why)
+            st.notes.append(f"the token budget of {q.context_token_budget} fit none of the "
+                            f"{read} passages read")
         trace = self._trace(st, pre_rerank, ranked, a) if q.include_trace else None
         result = SearchResult(a.selected, desc.build_id, desc.corpus_version, desc.model_id,
                               st.timings, bool(st.shard_errors), st.shard_errors, trace, st.notes,
@@ -763,7 +768,12 @@ class QueryPipeline:
         if a.full or q.rerank_depth or st.shard_errors:
             return False
         over_budget = any(reason.startswith("over_token_budget") for _, reason in a.dropped)
-        if over_budget and a.selected:  # the budget ends this page: no deeper list fills it
+        if over_budget and a.selected and (a.smallest_cost is None
+                                           or q.context_token_budget - a.used < a.smallest_cost):
+            # the budget ends this page: what it has left is less than any passage read took.
+            # With room for the smallest (a long passage skipped, repeats dropped), deeper hits
+            # may still fill it, as the API promises (outside QA: 1 passage of 20 tokens, 130
+            # left, where the same query pinned deeper filled 5)
             return False
         repeats = any(not reason.startswith("over_token_budget") for _, reason in a.dropped)
         # a budget that took none of a hybrid query's ~200 candidates is not helped by 800 or
@@ -805,9 +815,14 @@ class QueryPipeline:
         self._fuse(st)
         # the same first hits: the same feedback, searched deeper
         await self._feedback_rounds([st], tenant, acl_scopes, deadline)
-        st.notes[:] = dict.fromkeys(st.notes)  # the feedback rounds' notes once, not per round
-        st.notes.append(f"retrieved {max(st.sq.dense_depth, st.sq.lexical_depth)} deep: "
-                        f"duplicates or the token budget left the page short")
+        # the feedback rounds' notes once, not per round; one note of the deepest round, saying
+        # what the lists held (outside QA: a note per round, the last naming a depth of 384
+        # where the lists held 131)
+        st.notes[:] = [n for n in dict.fromkeys(st.notes) if not n.startswith(DEEPER_NOTE)]
+        held = max(len(st.dense), len(st.lexical))
+        asked = max(st.sq.dense_depth, st.sq.lexical_depth)
+        st.notes.append(f"{DEEPER_NOTE}, {asked} per list ({held} found): duplicates or the "
+                        f"token budget left the page short")
         return True
 
     async def _assemble(self, st: _Query, ranked: list[RankedHit], tenant: str,
