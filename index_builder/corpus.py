@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,8 +90,11 @@ def read_corpus(path: Path, default_tenant: str = "default",
                     raise ValueError("metadata must be an object")
                 meta = {k: v for k, v in meta.items() if v is not None}  # null: the key is absent
                 for k, v in meta.items():  # 1e400 parses as infinity, stored as "Infinity"
-                    if isinstance(v, float) and not math.isfinite(v):
-                        raise ValueError(f"metadata {k!r} is not a finite number ({v})")
+                    try:                     # (and NaN, and either inside a list or object)
+                        json.dumps(v, allow_nan=False)
+                    except ValueError:
+                        raise ValueError(f"metadata {k!r} holds a number that is not finite "
+                                         f"({str(v)[:80]})") from None
                 # values are text, as the write API's; anything else (BEIR's list of authors, a
                 # flag) is kept as its JSON text - [..], {..}, true, 1.5 - not as Python's repr
                 # of it ("True" matched no filter for "true"; outside QA)

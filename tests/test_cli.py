@@ -181,7 +181,8 @@ def test_bad_corpus_lines_and_factories_are_clear_errors(tmp_path):
     ({"id": "1", "text": "t", "title": ["a"]}, "title must be a string, not list"),
     ({"id": "1", "text": "t", "acl": [1]}, "acl must be a list of scope names"),
     # outside QA: 1e400 parses as infinity, which was stored as the text "Infinity"
-    ({"id": "1", "text": "t", "metadata": {"n": float("inf")}}, "metadata 'n' is not a finite number"),
+    ({"id": "1", "text": "t", "metadata": {"n": float("inf")}}, "metadata 'n' holds a number that is not finite"),
+    ({"id": "1", "text": "t", "metadata": {"n": [1, float("nan")]}}, "metadata 'n' holds a number that is not finite"),
 ])
 def test_the_builder_refuses_what_the_write_api_refuses(tmp_path, line, problem):
     """Outside QA: the builder took ids, versions and sizes that UpsertDocument and
