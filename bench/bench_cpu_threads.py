@@ -24,7 +24,7 @@ load hits each alike; the table shows the median over rounds.
 text upserts/s (`--writers` clients, one connection each, for half of --seconds; the server
 embeds each passage) and the p50/p99 of single hybrid text queries (one client: the query's
 embedding, search and fusion) for `serve` and `serve --workers 2`, each as the server now starts
-(`now`: OpenMP threads sleep, front ends split the cores) and as before (`before`:
+(`now`: OpenMP threads spin briefly, front ends split the cores) and as before (`before`:
 GOMP_SPINCOUNT=300000, libgomp's own spin, and OMP_NUM_THREADS = every core in every process).
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,31 +46,50 @@ sys.path.insert(0, str(REPO))
 from harness.data import CRANFIELD  # noqa: E402
 from harness.measure import OtherCpu, pct  # noqa: E402
 
-POLICIES = {
-    "default": {"env": {}, "threads": None},
-    "passive": {"env": {"OMP_WAIT_POLICY": "PASSIVE"}, "threads": None},
-    "spin 1k": {"env": {"GOMP_SPINCOUNT": "1000"}, "threads": None},
-    "spin 10k": {"env": {"GOMP_SPINCOUNT": "10000"}, "threads": None},
-    "1 thread": {"env": {"OMP_NUM_THREADS": "1"}, "threads": None},
-    "server": {"env": {}, "threads": "server"},  # GOMP_SPINCOUNT=10000 (threads.py) + the cores
+POLICIES = {  # the environment each policy's process starts with
+    "default": {},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "spin 1k": {"GOMP_SPINCOUNT": "1000"},
+    "spin 10k": {"GOMP_SPINCOUNT": "10000"},
+    "1 thread": {"OMP_NUM_THREADS": "1"},
+    "server": {},  # limit_openmp_spinning() in the process, as the entry points call it
 }
+OPENMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+
+
+def _env(extra: dict) -> dict:
+    """This environment without OpenMP settings of its own, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in OPENMP_SETTINGS}
+    env.update(extra)
+    return env
+
+
+@contextmanager
+def _neighbours(n: int):
+    """`n` busy-loop processes for the block's duration."""
+    stop = mp.Event()
+    spinners = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(n)]
+    for p in spinners:
+        p.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for p in spinners:
+            p.join(5)
 
 
 def worker(policy: str, seconds: float) -> None:
     """Runs in a fresh interpreter (the policy's environment set before torch loads)."""
-    if POLICIES[policy]["threads"] == "server":  # what search-server and index-builder do
+    if policy == "server":  # what search-server and index-builder do
         from server.backends.threads import limit_openmp_spinning
 
         limit_openmp_spinning()
     import torch
 
-    from server.backends.threads import model_threads
-
     from server.backends.models import Embedder
 
     emb = Embedder()  # sets torch's threads: OMP_NUM_THREADS if given, else the usable cores
-    if POLICIES[policy]["threads"] == "server":
-        torch.set_num_threads(model_threads())
     passages = []
     with open(CRANFIELD / "corpus.jsonl") as f:
         for line in f:
@@ -105,24 +125,13 @@ def _spin(stop) -> None:
 
 
 def cell(policy: str, neighbours: int, seconds: float) -> dict:
-    stop = mp.Event()
-    spinners = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(neighbours)]
-    for p in spinners:
-        p.start()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
-    env.update(POLICIES[policy]["env"])
-    try:
+    with _neighbours(neighbours):
         t0, c0 = time.perf_counter(), os.times()
         with OtherCpu() as other:
             out = subprocess.run([sys.executable, __file__, "--worker", policy, "--seconds",
-                                  str(seconds)], env=env, cwd=REPO, capture_output=True, text=True,
-                                 check=True)
+                                  str(seconds)], env=_env(POLICIES[policy]), cwd=REPO,
+                                 capture_output=True, text=True, check=True)
         c1, wall = os.times(), time.perf_counter() - t0
-    finally:
-        stop.set()
-        for p in spinners:
-            p.join(5)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     # the worker had ended by the time OtherCpu looked at this process's tree: its CPU (a
     # waited-for child's) is taken out here
@@ -145,20 +154,13 @@ def _server_cell(data_src: Path, flags: list, env_extra: dict, seconds: float, w
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-threads-"))
     shutil.copytree(data_src, tmp / "data")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
-                                                           "OMP_NUM_THREADS")}
-    env.update(env_extra)
     server = ServiceProcess(["serve", "--data-dir", str(tmp / "data"), "--port", "0",
                              "--metrics-port", "0", "--retrieval-cache-size", "0", *flags],
-                            "serve", env=env)
-    stop = mp.Event()
-    spinners = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(neighbours)]
-    for p in spinners:
-        p.start()
+                            "serve", env=_env(env_extra))
     queries = ["boundary layer transition", "supersonic flow over a wedge", "heat transfer to a "
                "cylinder", "shock wave interaction", "wing flutter at high speed"]
     try:
-        with OtherCpu() as other:
+        with _neighbours(neighbours), OtherCpu() as other:
             lat, acks, nxt = [], [], iter(range(len(docs)))
 
             async def write(stub, end):
@@ -194,9 +196,6 @@ def _server_cell(data_src: Path, flags: list, env_extra: dict, seconds: float, w
 
             rate = asyncio.run(run())
     finally:
-        stop.set()
-        for p in spinners:
-            p.join(5)
         server.stop(30)
         shutil.rmtree(tmp, ignore_errors=True)
     return {"p50": pct(lat, 50), "p99": pct(lat, 99), "upserts_s": rate, "other_cpu": other.cores}

@@ -37,10 +37,11 @@ def _tenant_name(text: str) -> str:
     """argparse type: a valid tenant name (outside QA: a bad --tenant was blamed on the corpus's
     first line)."""
     from server.core.collection import check_name
+    from server.errors import SearchError
 
     try:
         return check_name(text, "tenant")
-    except Exception as exc:  # InvalidArgument
+    except SearchError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -574,14 +575,14 @@ def cmd_list(args) -> int:
     published = set(store.collections())
     damaged = 0
     for name in names:
-        live = store.alias(name).get("live") if name in published else None
+        alias = store.alias(name) if name in published else {}
+        live = alias.get("live")
         print(name if live else f"{name}  (not published)")
-        alias = store.alias(name) if live else {}
         builds_dir = store.collection_dir(name) / "builds"
-        headless = [b for b in build_dirs(name) if b not in store.builds(name)]
+        dirs, builds = build_dirs(name), store.builds(name)
+        headless = [b for b in dirs if b not in builds]
         for role, b in (("live", live), ("the rollback target", alias.get("previous"))):
-            if b and b not in store.builds(name) and b not in headless:
-                # (outside QA: a gone live build was unsaid)
+            if b and b not in dirs:  # (outside QA: a gone live build was unsaid)
                 print(f"  ! {b}  MISSING: the alias names it as {role}, but it is gone"
                       + ("; publish a build listed here" if role == "live" else ""))
                 damaged += 1
@@ -589,7 +590,7 @@ def cmd_list(args) -> int:
             print(f"  {'*' if b == live else ' '} {b}  DAMAGED: its release descriptor "
                   f"{builds_dir / b / DESCRIPTOR} is missing")
             damaged += 1
-        for b in store.builds(name):
+        for b in builds:
             try:
                 d = store.descriptor(name, b)
                 audit = f"recall@{d.audit['k']}={d.audit['recall']:.3f}" if d.audit else "not audited"

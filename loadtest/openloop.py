@@ -36,6 +36,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 
@@ -290,28 +291,35 @@ async def _generate(args, queries: list[str], on_measured=None) -> dict:
             "scheduled": sum(1 for o in offsets if o >= args.warmup)}
 
 
+def verdict(judged_p99_ms: Optional[float], error_rate: float, args) -> tuple[bool, bool, int]:
+    """(too many errors, over the p99 budget, exit status) of a run, by one rule for the open
+    loop and Locust: more than --max-error-rate failed is exit 4, before the budget's 3, since
+    failures ranked slowest make the judged p99 unbounded past 1% of them. `judged_p99_ms`:
+    None when nothing was measured (nothing to judge)."""
+    too_many = args.max_error_rate is not None and error_rate > args.max_error_rate
+    over = (args.p99_budget_ms is not None and judged_p99_ms is not None
+            and judged_p99_ms > args.p99_budget_ms)
+    return too_many, over, EXIT_ERRORS if too_many else EXIT_BUDGET if over else EXIT_OK
+
+
 def summarize(args, queries: list[str], run: dict) -> dict:
     rec: Recorder = run["recorder"]
     ok = rec.latency.get_total_count()
+    # scheduled requests that never reported (none should: every one answers, fails or is
+    # counted as unanswered) are failures too, not a smaller denominator
+    missing = run["scheduled"] - ok - rec.failed
+    if missing > 0:
+        rec.fail("NOT_REPORTED", "scheduled, never reported", missing)
     errors = dict(sorted(rec.errors.items()))
-    n_err = sum(errors.values())
+    n_err = rec.failed
     achieved = run["sent"] / run["window"] if run["window"] > 0 else 0.0
     planned = run["scheduled"] / args.duration  # = rate, or a Poisson draw around it
     kept_up = achieved >= 0.95 * planned and rec.max_lag_us / 1e3 <= max(100.0, 5e3 / args.rate)
-    # scheduled requests that never reported (none should: every one answers, fails or is
-    # counted as unanswered) are failures too, not a smaller denominator
-    missing = run["scheduled"] - ok - n_err
-    if missing > 0:
-        rec.fail("NOT_REPORTED", "scheduled, never reported", missing)
-        errors["NOT_REPORTED"] = missing
-        n_err += missing
     pcts = rec.percentiles_ms()
     # no measured request at all (a run shorter than one gap): nothing to judge
     judged = rec.p99_failures_slowest_ms() if ok + n_err else None
-    over_budget = (args.p99_budget_ms is not None and judged is not None
-                   and judged > args.p99_budget_ms)
     error_rate = n_err / max(1, run["scheduled"])
-    too_many_errors = args.max_error_rate is not None and error_rate > args.max_error_rate
+    too_many_errors, over_budget, code = verdict(judged, error_rate, args)
     return {
         "address": args.address, "collection": args.collection, "mode": args.mode,
         "top_k": args.top_k, "queries": len(queries), "arrivals": "poisson" if args.poisson else "constant",
@@ -327,8 +335,7 @@ def summarize(args, queries: list[str], run: dict) -> dict:
         "generator_kept_up": kept_up,
         "p99_budget_ms": args.p99_budget_ms, "p99_over_budget": over_budget,
         "max_error_rate": args.max_error_rate, "too_many_errors": too_many_errors,
-        # failures first: more than 1% of them also make the judged p99 unbounded
-        "exit_code": EXIT_ERRORS if too_many_errors else EXIT_BUDGET if over_budget else EXIT_OK,
+        "exit_code": code,
         "hdr_histogram_us": rec.latency.encode().decode() if ok else None,
     }
 

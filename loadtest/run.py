@@ -247,21 +247,20 @@ def run_locust(args, address: str) -> int:
     # judged a p99 that fast failures had pulled down): more than --max-error-rate failed is
     # exit 4; else, with failures ranked slowest, more than 1% of them is over any budget, and
     # within that Locust's p99 (its percentiles hold the failures' times too) is judged
-    code = proc.returncode if proc.returncode not in (0, 1) else openloop.EXIT_OK
     error_rate = res["failures"] / max(1, res["requests"])
     res["error_rate"] = round(error_rate, 6)
-    over_budget = args.p99_budget_ms is not None and (
-        error_rate > 0.01 or (res["p99"] is not None and res["p99"] > args.p99_budget_ms))
-    if args.max_error_rate is not None and error_rate > args.max_error_rate:
+    too_many, over_budget, code = openloop.verdict(
+        float("inf") if error_rate > 0.01 else res["p99"], error_rate, args)
+    if code == openloop.EXIT_OK and proc.returncode not in (0, 1):  # Locust's 1: failures,
+        code = proc.returncode                                          # judged above
+    if too_many:
         print(f"  FAIL: {error_rate:.2%} of requests failed, over --max-error-rate "
               f"{args.max_error_rate:g} (exit {openloop.EXIT_ERRORS})")
-        code = openloop.EXIT_ERRORS
     elif over_budget:
         what = (f"{res['p99']:g} ms" if error_rate <= 0.01 else
                 "unbounded (over 1% of requests failed)")
         print(f"  FAIL: p99 (failures ranked slowest) {what} is over the budget of "
               f"{args.p99_budget_ms:g} ms (exit {openloop.EXIT_BUDGET})")
-        code = openloop.EXIT_BUDGET
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"tool": "locust", "users": args.users, **res,

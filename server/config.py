@@ -497,8 +497,8 @@ def load_config(command: str, args: Optional[argparse.Namespace] = None,
                 if key not in known:
                     raise ValueError(f"configuration file {path}: unknown key {key!r} in [{sec}]")
                 where = f"{path} [{sec}] {key}"
-                default = getattr(getattr(default_config(role), sec), key)
-                if _unused(role, sec, key, where, value != default):
+                # `cfg` holds the role's defaults until the values are applied below
+                if _unused(role, sec, key, where, value != getattr(getattr(cfg, sec), key)):
                     continue
                 values[(sec, key)] = (value, where)
     for sec in COMMAND_SECTIONS[command]:
@@ -508,7 +508,8 @@ def load_config(command: str, args: Optional[argparse.Namespace] = None,
             if env is None:
                 continue
             # set = a value of its own (SEARCH_TENANT=default names the default: no conflict)
-            if _unused(role, sec, f.name, f"environment {name}", env not in ("", str(f.default))):
+            default = str(getattr(getattr(cfg, sec), f.name))
+            if _unused(role, sec, f.name, f"environment {name}", env not in ("", default)):
                 continue
             if f.metadata.get("env_items"):  # a list whose items are lists of their own
                 env = [v.strip() for v in env.split(f.metadata["env_items"]) if v.strip()]
