@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(a)
     a.add_argument("--build", default=None, help="build id (default: the newest build)")
     a.add_argument("--k", type=_positive_int, default=10)
-    a.add_argument("--queries", type=_positive_int, default=200, help="audit queries used (held-out ones "
-                   "stored with the build when it has them)")
+    a.add_argument("--queries", type=_positive_int, default=200, metavar="N",
+                   help="how many audit queries to use (the held-out ones stored with the build "
+                        "when it has them; a file of your own: --audit-queries)")
     a.add_argument("--audit-queries", type=Path, default=None,
                    help=".npy of held-out query vectors (n x dim) to audit (and tune) on, instead "
                         "of the ones stored with the build")
@@ -274,6 +275,25 @@ def _knobs(args) -> tuple[dict, tuple[str, ...]]:
     return {**SearchKnobs().__dict__, **given}, tuple(given)
 
 
+def _knobs_that_do_not_apply(given: tuple[str, ...], desc) -> list[str]:
+    """The flags of search knobs given on the command line that the build's index does not have
+    (--nprobe on HNSW, --ef-search on IVF, --k-factor without a refine step)."""
+    if not given:
+        return []
+    import faiss
+
+    from server.backends.dense import has_refine
+    from server.core.audit import index_knobs
+
+    try:
+        index = faiss.index_factory(desc.dim, desc.factory)
+    except RuntimeError:  # a factory faiss cannot make empty here: say nothing rather than guess
+        return []
+    # a refine step takes k_factor whatever it refines (`PQ8,RFlat` too: review)
+    applies = set(index_knobs(index)) | ({"k_factor"} if has_refine(index) else set())
+    return ["--" + k.replace("_", "-") for k in given if k not in applies]
+
+
 def vectors_of_records(vectors, docs: list, tally: dict):
     """The rows of a --vectors file that belong to `docs`: row i is the corpus's record i (its
     i-th non-blank line), kept or not - a record skipped for having no text keeps its row, so a
@@ -358,6 +378,11 @@ def cmd_build(args) -> int:
                             vectors=vectors, model_id=args.model_id, audit_queries=audit_queries)
     print(f"built {args.collection}/{desc.build_id}: {desc.documents} documents, {desc.chunks} "
           f"chunks, {desc.shards} shard(s), factory {desc.factory}, model {desc.model_id}")
+    unused = _knobs_that_do_not_apply(pinned, desc)
+    if unused:  # (outside QA: --nprobe on an HNSW factory was stored without a word)
+        print(f"index-builder build: note: {', '.join(unused)} "
+              f"{'does' if len(unused) == 1 else 'do'} not apply to {desc.factory}; no search uses "
+              f"{'it' if len(unused) == 1 else 'them'}", file=sys.stderr)
     if args.audit or args.publish:
         audit = audit_build(store, args.collection, desc.build_id, min_recall=args.min_recall,
                             target_recall=args.target_recall or None, pinned=pinned,
@@ -365,7 +390,7 @@ def cmd_build(args) -> int:
         recon = audit["reconciliation"]
         _print_tuning(audit, desc.factory)
         print(f"audit: recall@{audit['k']} = {audit['recall']:.4f} over {audit['queries']} "
-              f"{audit['query_source']} queries ({'passed' if audit['passed'] else 'FAILED'}, "
+              f"queries, {audit['query_source']} ({'passed' if audit['passed'] else 'FAILED'}, "
               f"threshold {args.min_recall}); count reconciliation "
               f"{'passed' if recon['passed'] else 'FAILED: ' + '; '.join(recon['mismatches'])}")
         if not (audit["passed"] and recon["passed"]):  # `build --audit` in CI fails the step
@@ -545,7 +570,10 @@ def cmd_rollback(args) -> int:
         print(f"index-builder rollback: error: collection {args.collection!r} {why}",
               file=sys.stderr)
         return 2
-    return _flip(args, store, previous, "rollback", "rolled back", expect_live=live)
+    # the target was live before, published by an operator who accepted its recall then (perhaps
+    # with --min-recall): a rollback is not refused for it (outside QA: it was, and said "not
+    # published"). Its reconciliation and files are still checked.
+    return _flip(args, store, previous, "rollback", "rolled back", expect_live=live, min_recall=0.0)
 
 
 def cmd_list(args) -> int:
@@ -593,7 +621,9 @@ def cmd_list(args) -> int:
         for b in builds:
             try:
                 d = store.descriptor(name, b)
-                audit = f"recall@{d.audit['k']}={d.audit['recall']:.3f}" if d.audit else "not audited"
+                audit = (f"recall@{d.audit['k']}={d.audit['recall']:.3f}"
+                         + ("" if d.audit.get("passed") else " (audit FAILED)")
+                         if d.audit else "not audited")
                 line = (f"{d.factory:<24} {d.chunks:>8} chunks  {d.shards} shard(s)  {audit}")
                 problems = store.file_problems(name, b, hashes=args.verify)
                 if problems:  # (outside QA: a build whose vectors were gone listed as whole)
@@ -721,11 +751,15 @@ def main(argv=None) -> None:
         if data_dir is not None and Path(data_dir).exists() and not Path(data_dir).is_dir():
             raise ValueError(f"--data-dir {data_dir} is not a directory")
         rc = COMMANDS[args.command](args)
+        sys.stdout.flush()  # here, where a closed pipe (`list | head`) is caught
     except (SearchError, ValueError, FileNotFoundError, FileExistsError, IsADirectoryError,
             NotADirectoryError) as exc:  # one line, not a traceback (outside QA)
         print(f"index-builder {args.command}: error: {exc}", file=sys.stderr)
         rc = 2
     except BrokenPipeError:  # `index-builder list | head`
+        from server.client import stdout_reader_gone
+
+        stdout_reader_gone()
         rc = 0
     except KeyboardInterrupt:  # Ctrl-C: a build's staging directory is already removed
         print(f"index-builder {args.command}: interrupted"

@@ -111,7 +111,9 @@ def read_corpus(path: Path, default_tenant: str = "default",
                     raise ValueError("vector must be a non-empty list of numbers")
                 for field in ("text", "title"):
                     _check_unicode(obj.get(field), field)
-                version = obj.get("version") or 1
+                version = obj.get("version")
+                if version is None:  # absent: 1 (0, "" or false were made 1 too, silently, where
+                    version = 1      # the write API refuses them - outside QA)
                 if isinstance(version, (bool, float)) or not str(version).lstrip("-").isdigit():
                     raise ValueError(f"version must be an integer, not {version!r}")
                 version = int(version)

@@ -77,6 +77,10 @@ class ListenConfig:
                           minimum=1)
     event_loop: str = opt("auto", "asyncio event loop: uvloop, asyncio, or auto (uvloop where it "
                                   "is installed)", choices=("auto", "uvloop", "asyncio"))
+    gc_threshold: int = opt(50_000, "container objects allocated (net of those freed) before "
+                                    "Python's youngest garbage collection; Python's default of "
+                                    "700 collects many times per SearchBatch, each collection "
+                                    "holding the GIL (0 = Python's default)", minimum=0)
 
 
 @dataclass
@@ -271,10 +275,13 @@ class ServerConfig:
             setattr(out, name, dataclasses.replace(getattr(self, name), **changes))
         return out
 
-    def to_toml(self) -> str:
+    def to_toml(self, role: Optional[str] = None) -> str:
+        """The configuration as a TOML file; with `role`, only the sections that role reads."""
         lines = []
         types = _section_types()
         for sec in fields(self):
+            if role is not None and sec.name not in COMMAND_SECTIONS[role]:
+                continue
             lines.append(f"[{sec.name}]")
             for f in fields(types[sec.name]):
                 value = getattr(getattr(self, sec.name), f.name)
@@ -314,9 +321,10 @@ REFUSED_UNUSED = {("auth", "auth_tokens"), ("auth", "tenant"), ("auth", "shard_t
 
 
 def _unused(role: str, sec: str, name: str, where: str, set_: bool) -> bool:
-    """Whether (sec, name) is a setting `role` does not use: refused (ValueError) when it is one
-    of REFUSED_UNUSED and `set_` (given a value of its own), else True (to be ignored)."""
-    if (sec, name) not in UNUSED.get(role, ()):
+    """Whether (sec, name) is a setting `role` does not use (of a section it does not read, or
+    in UNUSED): refused (ValueError) when it is one of REFUSED_UNUSED and `set_` (given a value of
+    its own), else True (to be ignored, with a note when set)."""
+    if sec in COMMAND_SECTIONS[role] and (sec, name) not in UNUSED.get(role, ()):
         return False
     if (sec, name) in REFUSED_UNUSED and set_:
         raise ValueError(f"{where}: `{role}` does not use this setting (it would be ignored, "
@@ -428,15 +436,16 @@ def _flag(section: str, f: dataclasses.Field, command: str = "") -> str:
 
 def add_flags(parser: argparse.ArgumentParser, command: str, role: str = "serve") -> None:
     """Add the flags of every field of `command`'s sections (default: not given, so the merge
-    below can tell a flag from a default). `config` takes every section's flags by their full
-    names and, for its `role`, that role's own short names too (`config --role shard
-    --collection docs` sets the shard's collection, as `shard --collection docs` does)."""
+    below can tell a flag from a default). `config` takes its `role`'s flags (outside QA: it took
+    every section's, so `config --role shard --embedder x` printed a setting no shard reads), by
+    their full names and the role's own short names too (`config --role shard --collection docs`
+    sets the shard's collection, as `shard --collection docs` does)."""
     parser.add_argument("--config", type=Path, default=None,
                         help="TOML configuration file (see `search-server config --print`)")
     types = _section_types()
     runs = command if command != "config" else role  # the role whose defaults and flags these are
     defaults = default_config(runs)
-    for sec in COMMAND_SECTIONS[command]:
+    for sec in COMMAND_SECTIONS[runs]:
         group = parser.add_argument_group(sec)
         for f in fields(types[sec]):
             if (sec, f.name) in UNUSED[runs]:
@@ -448,7 +457,7 @@ def add_flags(parser: argparse.ArgumentParser, command: str, role: str = "serve"
             help_text = f"{f.metadata.get('help', '').replace('%', '%%')} [default: {default if default not in ([], None) else 'unset'}; env {ENV_PREFIX}{f.name.upper()}]"
             dest = f"{sec}.{f.name}"
             names = [_flag(sec, f, command)]
-            if command == "config" and f.metadata.get("flag") and sec in COMMAND_SECTIONS[role]:
+            if command == "config" and f.metadata.get("flag"):
                 names.append(f.metadata["flag"])  # the role's own name for it
             if base is bool:
                 group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction,
@@ -501,7 +510,9 @@ def load_config(command: str, args: Optional[argparse.Namespace] = None,
                 if _unused(role, sec, key, where, value != getattr(getattr(cfg, sec), key)):
                     continue
                 values[(sec, key)] = (value, where)
-    for sec in COMMAND_SECTIONS[command]:
+    # the variables of the sections the role reads: those of others are no concern of its (the
+    # images set SEARCH_DATA_DIR for every role; a note on each router start misled - review)
+    for sec in COMMAND_SECTIONS[role]:
         for f in fields(types[sec]):
             name = ENV_PREFIX + f.name.upper()
             env = environ.get(name)

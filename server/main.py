@@ -110,8 +110,12 @@ def main(argv=None) -> None:
         role = pre.parse_known_args(argv[1:])[0].role
     args = build_parser(internal=argv[:1] == ["frontend"], config_role=role).parse_args(argv)
     if args.command == "health":
-        raise SystemExit(health(args.address, args.service, args.timeout, args.tls_ca,
-                                args.tls_cert, args.tls_key))
+        try:
+            raise SystemExit(health(args.address, args.service, args.timeout, args.tls_ca,
+                                    args.tls_cert, args.tls_key))
+        except ValueError as exc:  # a TLS flag without its pair, an unreadable file
+            print(f"search-server health: error: {exc}", file=sys.stderr)
+            raise SystemExit(2)
     command = args.command if args.command != "frontend" else "serve"
     try:
         cfg = load_config(command, args, defaults_of=args.role if command == "config" else None)
@@ -122,7 +126,12 @@ def main(argv=None) -> None:
     except ValueError as exc:
         raise SystemExit(f"search-server: {exc}")
     if args.command == "config":
-        print(cfg.to_toml())
+        try:
+            print(cfg.to_toml(args.role), flush=True)
+        except BrokenPipeError:  # `config --print | head`
+            from server.client import stdout_reader_gone
+
+            stdout_reader_gone()
         return
     logging.basicConfig(level=cfg.listen.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

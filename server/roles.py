@@ -61,7 +61,7 @@ def run_serve(cfg: ServerConfig) -> None:
     app.run(app.serve_forever(core, make_auth(cfg), cfg.listen.host, cfg.listen.port,
                               cfg.listen.metrics_port, tls=tls, grace=cfg.listen.shutdown_grace_s,
                               delay=cfg.listen.shutdown_delay_s),
-            cfg.listen.event_loop)
+            cfg.listen)
 
 
 def run_frontend(cfg: ServerConfig, engine_socket: str, engine_pid: int = 0,
@@ -78,7 +78,7 @@ def run_shard(cfg: ServerConfig) -> None:
     from server.transport import app
     from server.transport.shard_server import serve_shard
 
-    app.run(serve_shard(cfg, _device(cfg)), cfg.listen.event_loop)
+    app.run(serve_shard(cfg, _device(cfg)), cfg.listen)
 
 
 def run_router(cfg: ServerConfig) -> None:
@@ -134,7 +134,7 @@ def run_router(cfg: ServerConfig) -> None:
         if write_log is not None:
             await write_log.close()
 
-    app.run(main(), cfg.listen.event_loop)
+    app.run(main(), cfg.listen)
 
 
 def default_replica_id(cfg: ServerConfig) -> str:

@@ -72,6 +72,15 @@ def test_publish_refuses_a_build_without_an_audit(two_builds):
     with pytest.raises(FailedPrecondition, match="no recall audit"):
         store.publish("c", b.build_id)
     assert store.live_build("c") == a.build_id
+    # a damaged one is called damaged first (outside QA: it was sent to an audit, which said so)
+    target = store.build_dir("c", b.build_id) / "shard-000" / "vectors.npy"
+    whole = target.read_bytes()
+    target.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))
+    try:
+        with pytest.raises(FailedPrecondition, match="fails its sha256 check"):
+            store.publish("c", b.build_id)
+    finally:
+        target.write_bytes(whole)
 
 
 def test_publish_refuses_a_build_whose_files_were_damaged_after_its_audit(two_builds,

@@ -166,6 +166,9 @@ def test_bad_corpus_lines_and_factories_are_clear_errors(tmp_path):
     ({"id": "1", "text": "t", "version": -3}, "version must be between 1"),
     ({"id": "1", "text": "t", "version": 2 ** 63}, "version must be between 1"),
     ({"id": "1", "text": "t", "version": 1.5}, "version must be an integer"),
+    # outside QA: 0 and false were stored as version 1
+    ({"id": "1", "text": "t", "version": 0}, "version must be between 1"),
+    ({"id": "1", "text": "t", "version": False}, "version must be an integer"),
     ({"id": "1", "text": "t" * 1_000_001}, "the cap is 1000000"),
     ({"id": "1", "text": "t", "metadata": {"bad key!": "v"}}, "metadata key"),
     # outside QA: stored, but no filter matched it, and dense and lexical disagreed on "a"
@@ -366,6 +369,18 @@ def test_a_pinned_knob_stays_while_the_others_tune(tmp_path, capsys):
     _print_tuning(audit, "IVF16,PQ4x4fs,RFlat")
     out = capsys.readouterr().out
     assert "(nprobe kept as given)" in out and "ef_search" not in out
+    # knobs the index does not have are named (outside QA: stored without a word)
+    from index_builder.cli import _knobs_that_do_not_apply
+
+    assert _knobs_that_do_not_apply(("nprobe", "ef_search", "k_factor"), desc) == ["--ef-search"]
+    hnsw = build_collection([Document(f"d{i}", f"doc {i}") for i in range(50)], store, "hnsw",
+                            None, "HNSW8,Flat", shards=60, vectors=x[:50], model_id="m")
+    assert "60 shards for 50 documents: at least 10 shard(s) start empty" in capsys.readouterr().err
+    assert _knobs_that_do_not_apply(("nprobe", "k_factor"), hnsw) == ["--nprobe", "--k-factor"]
+    assert _knobs_that_do_not_apply(("ef_search",), hnsw) == []
+    refined = build_collection([Document(f"d{i}", f"doc {i}") for i in range(300)], store, "pqr",
+                               None, "PQ4x4fs,RFlat", quiet=True, vectors=x[:300], model_id="m")
+    assert _knobs_that_do_not_apply(("k_factor", "nprobe"), refined) == ["--nprobe"]
 
 
 def test_command_line_mistakes_get_one_line_errors_not_tracebacks(tmp_path, capsys):
@@ -415,6 +430,28 @@ def test_command_line_mistakes_get_one_line_errors_not_tracebacks(tmp_path, caps
         server(["serv"])
     said = capsys.readouterr().err
     assert "invalid choice: 'serv'" in said and "frontend" not in said
+
+
+def test_client_tls_flags_without_their_pair_or_file_are_one_line_errors(tmp_path):
+    """Outside QA: --tls-cert without --tls-key aborted every client tool inside gRPC's core
+    (exit 134), --tls-key alone connected in plaintext as if it were not there, and a missing
+    --tls-ca file was a traceback. Each is refused with a line naming the flag, before any call
+    (run as subprocesses: the abort would take pytest with it)."""
+    pem = tmp_path / "any.pem"
+    pem.write_text("not used: refused before it is read\n")
+    address = f"127.0.0.1:{_free_port()}"
+    tools = {"search-client": ["server.client", "--address", address, "q"],
+             "health": ["server.main", "health", "--address", address],
+             "compact": ["index_builder.cli", "compact", "--address", address, "--collection", "c"]}
+    cases = ((["--tls-cert", str(pem)], "--tls-cert and --tls-key go together"),
+             (["--tls-key", str(pem)], "--tls-cert and --tls-key go together"),
+             (["--tls-ca", str(tmp_path / "none.pem")], "--tls-ca"))
+    for tool, argv in tools.items():
+        for flags, said in cases:
+            proc = subprocess.run([sys.executable, "-m", *argv, *flags], cwd=REPO,
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2, (tool, flags, proc.returncode, proc.stderr[-300:])
+            assert said in proc.stderr and "Traceback" not in proc.stderr, (tool, flags, proc.stderr)
 
 
 def _free_port() -> int:
@@ -489,6 +526,22 @@ def test_rollback_publishes_the_previous_build_and_a_second_one_undoes_it(tmp_pa
     assert f"rolled back: r -> {first.build_id}" in out.stdout
     out = cli("rollback", "--data-dir", tmp_path, "--collection", "r")
     assert out.returncode == 0 and store.live_build("r") == second.build_id
+    # outside QA: a build published with `--min-recall` below its audit's threshold could not be
+    # rolled back to ("... below the required 0.9000; not published")
+    from index_builder.build import audit_build
+
+    assert not audit_build(store, "r", first.build_id, min_recall=1.01)["passed"]
+    listed = cli("list", "--data-dir", tmp_path).stdout.splitlines()
+    assert "(audit FAILED)" in next(line for line in listed if first.build_id in line)
+    assert "FAILED" not in next(line for line in listed if second.build_id in line)
+    out = cli("publish", "--data-dir", tmp_path, "--collection", "r", "--build", first.build_id)
+    assert out.returncode == 2 and "below the required 1.0100" in out.stderr
+    out = cli("publish", "--data-dir", tmp_path, "--collection", "r", "--build", first.build_id,
+              "--min-recall", "0")
+    assert out.returncode == 0 and store.live_build("r") == first.build_id
+    assert cli("rollback", "--data-dir", tmp_path, "--collection", "r").returncode == 0
+    out = cli("rollback", "--data-dir", tmp_path, "--collection", "r")
+    assert out.returncode == 0 and store.live_build("r") == first.build_id, out.stderr
 
 
 def test_an_audit_never_falls_back_to_held_in_queries_when_the_builds_own_are_gone(tmp_path):

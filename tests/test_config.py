@@ -80,8 +80,7 @@ def test_optional_values_may_be_empty_and_bounded_values_at_their_bounds_pass():
 
 
 def test_config_print_shows_the_effective_configuration_and_it_round_trips(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "server.main", "config", "--print", "--max-batch", "24",
-                          "--nats", "nats://a:4222", "--nats", "nats://b:4222"],
+    out = subprocess.run([sys.executable, "-m", "server.main", "config", "--print", "--max-batch", "24"],
                          cwd=REPO, capture_output=True, text=True, timeout=60,
                          env={"SEARCH_DENSE_FEEDBACK_DOCS": "3", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
@@ -89,8 +88,17 @@ def test_config_print_shows_the_effective_configuration_and_it_round_trips(tmp_p
     saved = tmp_path / "effective.toml"
     saved.write_text(out.stdout)
     again = load_config("config", None, {}, saved)
-    assert again.engine.max_batch == 24 and again.replication.nats == ["nats://a:4222", "nats://b:4222"]
-    assert again.pipeline.dense_feedback_docs == 3
+    assert again.engine.max_batch == 24 and again.pipeline.dense_feedback_docs == 3
+    router = subprocess.run([sys.executable, "-m", "server.main", "config", "--print", "--role",
+                             "router", "--nats", "nats://a:4222", "--nats", "nats://b:4222"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    saved.write_text(router.stdout)
+    again = load_config("router", None, {}, saved)
+    assert again.replication.nats == ["nats://a:4222", "nats://b:4222"]
+    # the sections a role reads, and only those (outside QA: a shard's printed [models] and
+    # [pipeline], and took their flags, as if it read them)
+    assert "[replication]" in router.stdout and "[engine]" not in router.stdout
+    assert "[replication]" not in out.stdout and "[models]" in out.stdout
     # a role's own defaults (outside QA: it always printed serve's, port 50051, which a shard
     # then took from the file)
     shard = subprocess.run([sys.executable, "-m", "server.main", "config", "--print", "--role",
@@ -101,9 +109,10 @@ def test_config_print_shows_the_effective_configuration_and_it_round_trips(tmp_p
 def test_config_print_takes_a_roles_own_flag_names_and_the_file_starts_that_role(tmp_path):
     """Outside QA: `config --print --role shard --collection docs` wrote serve's [storage]
     collection, and a shard started from the file refused for want of --collection."""
-    for role, field_ in (("shard", "shard_collection"), ("router", "router_collection")):
+    for role, field_, more in (("shard", "shard_collection", ["--shard", "0"]),
+                               ("router", "router_collection", [])):
         out = subprocess.run([sys.executable, "-m", "server.main", "config", "--print", "--role", role,
-                              "--collection", "docs", "--shard", "0"],
+                              "--collection", "docs", *more],
                              cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         saved = tmp_path / f"{role}.toml"
@@ -140,6 +149,26 @@ def test_settings_a_role_must_not_be_given_are_refused_from_the_environment_and_
         assert cfg.listen.workers == 1  # not applied
         assert f"environment {name} is not used by `{command}`; ignored" in capsys.readouterr().err
     assert parse("router", [], {"SEARCH_APPLY_BATCH": "9"}).replication.apply_batch != 9
+    # of a section the role does not read at all (outside QA: a shard took [models] embedder
+    # from a file without a word, and `config --role shard` printed it); such variables are
+    # left alone, quietly (the images set SEARCH_DATA_DIR for every role: review)
+    capsys.readouterr()
+    assert parse("shard", [], {"SEARCH_EMBEDDER": "x"}) == parse("shard", [], {})
+    assert parse("router", [], {"SEARCH_DATA_DIR": "/data"}) == parse("router", [], {})
+    assert capsys.readouterr().err == ""
+    models = tmp_path / "models.toml"
+    models.write_text('[models]\nembedder = "x"\n')
+    assert parse("shard", [], {}, models) == parse("shard", [], {})
+    assert "[models] embedder is not used by `shard`; ignored" in capsys.readouterr().err
+    printed = subprocess.run([sys.executable, "-m", "server.main", "config", "--print", "--role",
+                              "shard", "--config", str(models)], cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+    assert printed.returncode == 0 and "embedder" not in printed.stdout
+    assert "is not used by `shard`; ignored" in printed.stderr
+    refused = subprocess.run([sys.executable, "-m", "server.main", "config", "--print", "--role",
+                              "shard", "--embedder", "x"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and "unrecognized arguments: --embedder" in refused.stderr
     assert parse("shard", [], {"SEARCH_TENANT": "default"}).auth.tenant == "default"  # the default
     assert parse("router", [], {"SEARCH_AUTH_TOKENS": "t.json"}).auth.auth_tokens == Path("t.json")
     # settings every role reads are no one's problem

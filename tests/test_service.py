@@ -250,6 +250,33 @@ def test_both_event_loops_serve_the_same_answers_and_a_bad_choice_fails_at_start
     assert bad.returncode != 0 and "not one of auto, uvloop, asyncio" in bad.stderr
 
 
+def test_servers_run_with_the_configured_young_collection_threshold():
+    """Every role's loop starts through app.run, which sets --gc-threshold for the young
+    generation; 0 keeps Python's own settings. Nothing is frozen: a replaced build must stay
+    collectable (review)."""
+    import gc
+
+    from server.config import ListenConfig
+    from server.transport import app
+
+    before = gc.get_threshold()
+    seen = {}
+
+    async def serving(name):
+        seen[name] = (gc.get_threshold(), gc.get_freeze_count())
+
+    try:
+        gc.unfreeze()
+        app.run(serving("python"), ListenConfig(gc_threshold=0, event_loop="asyncio"))
+        app.run(serving("tuned"), ListenConfig(event_loop="asyncio"))
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+    assert seen["python"] == (before, 0)
+    assert seen["tuned"] == ((ListenConfig().gc_threshold, *before[1:]), 0)
+    assert ListenConfig().gc_threshold > before[0]
+
+
 def test_the_boundary_answers_internal_for_a_native_librarys_panic():
     """Outside QA: pyo3 raises a Rust panic as PanicException, a BaseException; the boundary
     caught Exception only, so such a call never got a status. It is INTERNAL now, like a bug."""

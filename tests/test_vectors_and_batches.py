@@ -622,6 +622,23 @@ def test_search_client_answers_a_file_of_queries(server, tmp_path):
         proc, _ = run(plain, "--timeout", t)
         assert proc.returncode == 2 and "positive number of seconds" in proc.stderr
         assert "Traceback" not in proc.stderr
+    # outside QA: a file without queries exited 0 as if every query had answered
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n")
+    proc, rows = run(blank)
+    assert proc.returncode == 2 and "holds no queries" in proc.stderr and rows == []
+    # outside QA: --out beside one query was ignored
+    proc = subprocess.run([sys.executable, "-m", "server.client", "--address", server.address,
+                           "--collection", "cran", "slip flow", "--out", str(tmp_path / "one.jsonl")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--out writes the answers of --queries" in proc.stderr
+    # outside QA: `search-client ... | head` ended in a BrokenPipeError traceback
+    reader_gone = subprocess.Popen([sys.executable, "-m", "server.client", "--address",
+                                    server.address, "--collection", "cran", "slip flow", "--trace"],
+                                   cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader_gone.stdout.close()
+    err = reader_gone.stderr.read().decode()
+    assert reader_gone.wait(120) == 0 and "Traceback" not in err and "BrokenPipe" not in err
 
 
 def test_the_printed_trace_says_why_a_passage_was_dropped(capsys):

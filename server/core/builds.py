@@ -126,9 +126,11 @@ class BuildManager:
         moves, or RETRY_UNLOADABLE_S on."""
         what = f"its live build {build_id}" if build_id else "its alias"
         if self._unloadable.get(name, ()) != build_id:  # once per build, not per poll
-            log.error("not serving collection %s: %s failed to load (%s: %s); the other "
-                      "collections are served, and %s is loaded again once a build of it is "
-                      "published or rolled back to", name, what, type(exc).__name__, exc, name)
+            # (outside QA: "the other collections are served" was said also where there were
+            # none, just before the start failed)
+            log.error("not serving collection %s: %s failed to load (%s: %s); while the server "
+                      "runs, %s is loaded again once a build of it is published or rolled back to",
+                      name, what, type(exc).__name__, exc, name)
         self._unloadable[name] = build_id
         self._unloadable_at[name] = time.monotonic()
         # callers hear what and why in general terms; the file paths are the server log's

@@ -365,6 +365,8 @@ class CollectionStore:
         and, with `expect_live`, unless that build is still the live one (a compaction of it must
         not undo a build an operator published meanwhile). Publishers take turns on an flock."""
         desc = self.descriptor(name, build_id)
+        if verify_files:  # first: a damaged build is damaged whatever its audit (outside QA: it
+            self.verify_files(name, build_id)  # was told to run an audit, which then said so)
         if require_audit:
             audit = desc.audit
             if not audit:
@@ -383,8 +385,6 @@ class CollectionStore:
                 raise FailedPrecondition(
                     f"build {build_id} recall@{audit.get('k')} = {audit.get('recall'):.4f} is below "
                     f"the required {threshold:.4f}; not published")
-        if verify_files:
-            self.verify_files(name, build_id)
         alias_path = self.collection_dir(name) / "ALIAS"
         with open(self.collection_dir(name) / ".ALIAS.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if we die

@@ -165,6 +165,11 @@ class StreamConfigMismatch(WriteLogError, FailedPrecondition):
     its subjects overlap another stream's."""
 
 
+class StreamMissing(WriteLogError, FailedPrecondition):
+    """The collection's stream does not exist (never created, deleted, or a wiped NATS store):
+    nothing is stored until it is restored."""
+
+
 class LogSequenceError(WriteLogError, FailedPrecondition):
     """A replica's applied sequence is inconsistent with the stream: the stream no longer holds
     the entries right after it (purged), or it is beyond the stream's last sequence (the stream was
@@ -540,7 +545,8 @@ class JetStreamWriteLog:
         deduplicated per collection (across shards), so they must be unique per collection.
         Timeouts, "no responders" (no stream yet, JetStream restarting) and 503s are retried with
         the same id until `timeout` s have passed; then `WriteLogUnavailable` is raised, whose
-        outcome is unknown (retry with the same id). Because of those retries ``duplicate=True``
+        outcome is unknown (retry with the same id) - or `StreamMissing`, when no stream took the
+        subject and JetStream says the stream does not exist (nothing was stored). Because of those retries ``duplicate=True``
         can also answer a first call whose own earlier attempt was stored but not acknowledged in
         time; either way the payload is stored exactly once, at ``seq``. While the client is reconnecting the append
         waits instead of being buffered. A definite refusal (payload over the server's
@@ -564,6 +570,12 @@ class JetStreamWriteLog:
                 no_responders_hint=(f"; no stream answered on {subject}: was ensure_stream() run, "
                                     f"and does the server run with JetStream enabled (-js)?"))
         except WriteLogUnavailable as exc:
+            if isinstance(exc.__cause__, (nats.errors.NoRespondersError,
+                                          nats.js.errors.NoStreamResponseError)):
+                # no stream took the subject: when the stream is gone, nothing was stored and
+                # re-sending cannot help (outside QA: a wiped NATS store gave "may still have
+                # been stored: re-send", every 5 s, for ever)
+                await self._raise_if_missing(f"append msg id {msg_id!r} to {subject}")
             # the caller's answer must say what a timeout means here (outside QA: a write
             # answered UNAVAILABLE was stored, and a "corrected" body under the same version
             # then lost to it as a stale replay)
@@ -577,6 +589,20 @@ class JetStreamWriteLog:
             raise WriteLogError(f"payload of {len(data)} bytes for {subject} exceeds the "
                                 f"server's max_payload") from exc
         return PublishResult(seq=int(ack.seq), duplicate=bool(ack.duplicate))
+
+    async def _raise_if_missing(self, what: str) -> None:
+        """StreamMissing if JetStream answers that the stream does not exist (else nothing: it
+        may just be restarting)."""
+        try:
+            await self._nc.jsm(timeout=1.0).stream_info(self._stream)
+        except nats.js.errors.NotFoundError as exc:
+            if exc.err_code == _ERR_STREAM_NOT_FOUND:
+                raise StreamMissing(
+                    f"cannot {what}: stream {self._stream} does not exist (the NATS store was "
+                    f"wiped or the stream deleted); nothing was stored. Writes are refused "
+                    f"until the log is restored, or the collection rebuilt") from exc
+        except Exception:  # noqa: BLE001 - no answer: the caller's UNAVAILABLE stands
+            return
 
     async def last_sequence(self, shard: int, timeout: float = 5.0) -> int:
         """The stream sequence of the last message on shard `shard`'s subject; 0 if it has none.
@@ -705,7 +731,7 @@ class JetStreamWriteLog:
 
     def _api_error(self, what: str, exc: nats.js.errors.APIError) -> WriteLogError:
         if exc.err_code == _ERR_STREAM_NOT_FOUND:
-            return WriteLogError(f"cannot {what}: stream {self._stream} does not exist "
+            return StreamMissing(f"cannot {what}: stream {self._stream} does not exist "
                                  f"(call ensure_stream() first)")
         return WriteLogError(f"cannot {what}: {_describe(exc)}")
 

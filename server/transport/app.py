@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from server.config import ListenConfig
 from server.core import limits
 from server.core.service import SearchCore
 from server.rpc import search_pb2, shard_pb2
@@ -44,9 +46,26 @@ def event_loop_runner(event_loop: str = "auto"):
     return asyncio.run
 
 
-def run(main, event_loop: str = "auto"):
-    """Run a server's main coroutine to the end on the chosen event loop."""
-    return event_loop_runner(event_loop)(main)
+def run(main, listen: ListenConfig):
+    """Run a server's main coroutine to the end on the configured event loop."""
+    tune_garbage_collector(listen.gc_threshold)
+    return event_loop_runner(listen.event_loop)(main)
+
+
+def tune_garbage_collector(threshold: int) -> None:
+    """Collect young objects after `threshold` allocations instead of Python's 700 (0 keeps it).
+
+    Requests allocate many short-lived containers, nearly all freed by reference counting, but a
+    SearchBatch holds enough of them at once that at 700 the collector ran ~80 times per batch of
+    1,000 queries, each collection holding the GIL that the event loop and the searching threads
+    share: 38 us of every query's ~240 us in process (docs/BENCHMARKS.md, fourteenth session).
+    Nothing is frozen (gc.freeze): a build loaded before serving sits in reference cycles that
+    only the collector frees, and frozen it would stay in memory after its successor replaced it
+    (review)."""
+    if threshold <= 0:
+        return
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(threshold, older, oldest)
 
 
 def loop_note() -> str:

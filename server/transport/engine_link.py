@@ -497,7 +497,7 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
             raise SystemExit(f"search-server: error: {failed[0]}")
 
     try:
-        app.run(main(), cfg.listen.event_loop)
+        app.run(main(), cfg.listen)
     finally:
         try:
             os.unlink(path)
@@ -622,4 +622,4 @@ def run_frontend(cfg: ServerConfig, device, engine_socket: str) -> None:
         if core.engine.lost:
             raise SystemExit(3)  # the engine went away: not a clean stop
 
-    app.run(main(), cfg.listen.event_loop)
+    app.run(main(), cfg.listen)

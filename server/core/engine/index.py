@@ -160,7 +160,9 @@ class ShardIndex:
     # Brute force over the allowed rows when they are few: below ~1% of the shard a graph or
     # inverted-list search with a selector returns short or wrong pages, and a scan of <= 2,000
     # rows costs ~0.2 ms. Above that, ANN with the selector is 5-25x faster at recall ~0.99
-    # (bench/bench_tenants.py), and a short page still falls back to exact.
+    # (bench/bench_tenants.py), and a short page still falls back to exact. An IVF-Flat whose
+    # filtered search would compare more vectors than the allowed rows also goes exact, up to
+    # EXACT_MAX_ROWS (DenseIndex.exact_is_cheaper).
     EXACT_MIN_ROWS = 2_000
     EXACT_MAX_FRACTION = 0.01
     EXACT_MAX_ROWS = 20_000
@@ -391,7 +393,10 @@ class ShardIndex:
             out = self._dedicated_search(sub, queries, k, allowed, exact_ok)
             if out is not None:
                 return out
-        if allowed is not None and exact_ok and allowed.count <= self._exact_limit():
+        if allowed is not None and exact_ok and (
+                allowed.count <= self._exact_limit()
+                or (allowed.count <= self.EXACT_MAX_ROWS  # a bounded scan, whatever the model
+                    and self.dense.exact_is_cheaper(allowed.count))):
             return [list(zip(r.tolist(), s.tolist()))
                     for s, r in exact_search(self.vectors, allowed.rows, queries, k, metric)]
         scores, rows = self.dense.search(queries, k, allowed)
