@@ -103,3 +103,8 @@ class CorpusVersionMismatch(SearchError):
 class Internal(SearchError):
     """An unexpected failure of one query of a batch (a bug, a model that failed): that query
     answers INTERNAL in its slot, logged with its traceback, and the others still answer."""
+
+
+class CatchUpAbandoned(Exception):
+    """A replica's catch-up on a build stopped because the build is no longer wanted (a rollback
+    or another publish moved the alias while it ran): not a failure, so not a SearchError."""

@@ -421,3 +421,34 @@ def test_a_fetched_row_holding_another_chunk_is_dropped_never_served(small_colle
         # every hit served is a hit the honest ranking has, with its own text, in its order;
         # shard 0's fetched hits dropped out
         assert got == [h for h in ranked if h in got] and got != ranked[:10]
+
+
+def test_a_router_reaches_a_replica_again_within_a_second_of_its_return():
+    """Outside QA re-probe: the router's channel to a replica kept gRPC's default reconnect
+    backoff, which grows to 120 s: a shard whose replicas had been down ~45 s stayed unreachable
+    ~18 s after both were back and SERVING. Channels to replicas now retry at least once a
+    second. Here a replica is away 20 s (the default backoff then waits ~4-9 s more)."""
+    import time
+
+    import grpc
+
+    from harness.processes import free_port
+    from server.transport.shard_rpc import RemoteShard
+
+    async def main():
+        port = free_port()
+        remote = RemoteShard(f"127.0.0.1:{port}", 0)
+        remote.channel.get_state(try_to_connect=True)
+        await asyncio.sleep(20)  # the outage itself: nothing listens, the channel keeps trying
+        server = grpc.aio.server()
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        back = time.monotonic()
+        try:
+            await asyncio.wait_for(remote.channel.channel_ready(), 10)
+            return time.monotonic() - back
+        finally:
+            await remote.channel.close()
+            await server.stop(None)
+
+    assert asyncio.run(main()) < 2.0

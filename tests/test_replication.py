@@ -600,3 +600,23 @@ def test_a_retry_embedded_again_is_the_same_write():
     assert _same_write(held, msg(v * np.float32(1 + 1e-6)))  # re-embedded: rounding only
     assert not _same_write(held, msg(v + 0.05))                 # other vectors
     assert not _same_write(held, msg(v, text="there"))          # other text
+
+
+def test_a_catch_up_on_a_build_no_longer_wanted_stops_before_applying():
+    """Outside QA re-probe: a rollback during a replica's long catch-up on the newly published
+    build did not stop it; a minute later the replica switched to the build rolled back. The
+    catch-up now asks, before each group, whether its build is still wanted (the alias follower
+    asks whether the alias still names it) and stops with CatchUpAbandoned. The shard here only
+    names its build: the check comes before any read of the log, which is never touched."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from server.config import ReplicationConfig
+    from server.errors import CatchUpAbandoned
+    from server.replication.log import ShardReplicator
+
+    shard = SimpleNamespace(shard_no=0, desc=SimpleNamespace(build_id="b-new", collection="rc"))
+    replicator = ShardReplicator(None, shard, "r0", ReplicationConfig())
+    with pytest.raises(CatchUpAbandoned, match="b-new is no longer wanted"):
+        asyncio.run(replicator.catch_up(wanted=lambda: False))
+    assert not replicator.caught_up and replicator.reader is None

@@ -27,14 +27,14 @@ import re
 import ssl
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from server.config import ReplicationConfig
 from server.core import metrics
 from server.core.chunking import shard_of
 from server.core.collection import shard_dir_name
 from server.core.types import ShardWrite
-from server.errors import FailedPrecondition, InvalidArgument, SearchError
+from server.errors import CatchUpAbandoned, FailedPrecondition, InvalidArgument, SearchError
 from server.replication.jetstream import (JetStreamWriteLog, ShardLogReader, StreamMissing,
                                           WriteLogError, WriteLogUnavailable)
 
@@ -348,7 +348,8 @@ class ShardReplicator:
             self._lag_gauge.set(await self.reader.lag())
             self._lag_checked = time.monotonic()
 
-    async def catch_up(self, timeout: float = 0.2) -> int:
+    async def catch_up(self, timeout: float = 0.2,
+                       wanted: Optional[Callable[[], bool]] = None) -> int:
         """Apply what the log holds for this shard until less than one group is left; then
         report ready (what is left, and what comes later, is applied by `run`, as it is for any
         following replica). Outside QA: waiting for a fetch that found nothing never ended while
@@ -357,6 +358,9 @@ class ShardReplicator:
         the shard was down."""
         total = 0
         while True:
+            if wanted is not None and not wanted():  # e.g. the alias moved off this build
+                raise CatchUpAbandoned(f"shard {self.shard.shard_no}: build "
+                                       f"{self.shard.desc.build_id} is no longer wanted")
             n = await self.step(timeout)
             total += n
             # after a group: less than another group behind; after a fetch that found nothing:

@@ -184,6 +184,15 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
         return codec.info_to_pb(info)
 
 
+# a replica that was down is tried again at least once a second: gRPC's default backoff grows to
+# 120 s, so a shard whose replicas had been down ~45 s stayed unreachable for another ~18 s after
+# both were back and SERVING (outside QA re-probe); one connection attempt a second per dead
+# replica is nothing to a router
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250),
+                     ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", 1000))
+
+
 class RemoteShard:
     """A shard replica reached over gRPC. Each hit carries its owner's tenant, so the router's
     assembly re-checks what the shard restricted."""
@@ -194,7 +203,7 @@ class RemoteShard:
         self.shard_no = shard_no
         options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                   ("grpc.keepalive_time_ms", 10_000)]
+                   ("grpc.keepalive_time_ms", 10_000), *RECONNECT_OPTIONS]
         self.channel = (grpc.aio.secure_channel(address, credentials, options) if credentials
                         else grpc.aio.insecure_channel(address, options))
         self.stub = spb_grpc.ShardServiceStub(self.channel)

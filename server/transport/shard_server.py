@@ -23,7 +23,7 @@ from server.core.engine.local import EnginePools, LocalShard
 from server.core.engine.state import (check_state_is_this_builds, keep_descriptor,
                                       remove_states, state_builds)
 from server.core.faults import FaultSpec, FaultyShard
-from server.errors import SearchError
+from server.errors import CatchUpAbandoned, SearchError
 from server.transport.shard_rpc import shard_admission
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,10 @@ class ShardReplica:
                     try:
                         if self.js is not None:
                             replicator = self._replicator(new)
-                            await replicator.catch_up()
+                            # given up once the alias leaves this build (outside QA re-probe: a
+                            # rollback during a long catch-up was followed by a switch to the
+                            # build it had rolled back, after a minute of applying its log)
+                            await replicator.catch_up(wanted=lambda: self._still_live(live))
                         # a flip within the grace period: the build before the previous one goes
                         await self._retire(None, swap)
                     except BaseException:  # not swapped in: release it (it holds its state's
@@ -147,6 +150,8 @@ class ShardReplica:
                          "name it for %gs)", self.shard_no, self.collection, live,
                          old[1].desc.build_id, RETIRE_AFTER_S)
                 loop.call_later(RETIRE_AFTER_S, lambda o=old: loop.create_task(self._retire(o, swap)))
+            except CatchUpAbandoned as exc:
+                log.info("%s; not switching to it", exc)
             except (SearchError, OSError, ValueError) as exc:
                 why = (live, str(exc))
                 if why != refused:  # once per build and reason, not at every poll
@@ -158,6 +163,13 @@ class ShardReplica:
                     unfollowable = live  # not tried at every poll, until the alias moves
             else:
                 refused = None
+
+    def _still_live(self, build_id: str) -> bool:
+        """Whether the alias still names `build_id` (an unreadable alias: assume so)."""
+        try:
+            return self.store.live_build(self.collection) == build_id
+        except (SearchError, OSError, ValueError):
+            return True
 
     async def _remove_unused_states(self) -> None:
         """Remove this replica's states of builds gone from the data directory (pruned) that it
