@@ -609,13 +609,14 @@ def cmd_list(args) -> int:
         builds_dir = store.collection_dir(name) / "builds"
         dirs, builds = build_dirs(name), store.builds(name)
         headless = [b for b in dirs if b not in builds]
+        width = max(map(len, dirs), default=0)  # one column of build ids, whatever their lengths
         for role, b in (("live", live), ("the rollback target", alias.get("previous"))):
             if b and b not in dirs:  # (outside QA: a gone live build was unsaid)
                 print(f"  ! {b}  MISSING: the alias names it as {role}, but it is gone"
                       + ("; publish a build listed here" if role == "live" else ""))
                 damaged += 1
         for b in headless:
-            print(f"  {'*' if b == live else ' '} {b}  DAMAGED: its release descriptor "
+            print(f"  {'*' if b == live else ' '} {b:<{width}}  DAMAGED: its release descriptor "
                   f"{builds_dir / b / DESCRIPTOR} is missing")
             damaged += 1
         for b in builds:
@@ -632,10 +633,10 @@ def cmd_list(args) -> int:
             except (IndexCorruptError, KeyError, TypeError, ValueError, OSError) as exc:
                 # one damaged (or unreadable) build must not hide the others
                 why = str(exc) or type(exc).__name__
-                print(f"  {'*' if b == live else ' '} {b}  DAMAGED: {why}")
+                print(f"  {'*' if b == live else ' '} {b:<{width}}  DAMAGED: {why}")
                 damaged += 1
                 continue
-            print(f"  {'*' if b == live else ' '} {b}  {line}")
+            print(f"  {'*' if b == live else ' '} {b:<{width}}  {line}")
     return 1 if damaged else 0
 
 

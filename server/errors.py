@@ -34,6 +34,15 @@ class Unavailable(SearchError):
     """Not ready, or every replica of a needed shard failed."""
 
 
+class ShardUnreachable(Unavailable):
+    """No replica of a shard answered ShardInfo. `replicas`: each one's state (unreachable, or
+    serving another build), which an operator's CollectionStats still shows in the outage."""
+
+    def __init__(self, message: str, replicas: list):
+        super().__init__(message)
+        self.replicas = replicas
+
+
 class ReplicaOverloaded(Unavailable):
     """A shard replica shed the call (its RESOURCE_EXHAUSTED): try another, but do not hold it
     against the replica - refusals come in bursts exactly when capacity is short, and ejecting

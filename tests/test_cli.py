@@ -101,6 +101,12 @@ def test_list_shows_unpublished_builds_and_audit_defaults_to_the_newest(tmp_path
     listing = cli("list", "--data-dir", tmp_path, "--collection", "waiting")
     assert listing.returncode == 1, listing.stdout
     assert "aa-newer  MISSING: the alias names it as the rollback target" in listing.stdout
+    # outside QA: build ids of other lengths shifted the columns after them
+    build_collection(cranfield_docs[:20], store, "waiting", tiny_embedder, "Flat", quiet=True,
+                     build_id="c")
+    listing = cli("list", "--data-dir", tmp_path, "--collection", "waiting").stdout
+    rows = [line for line in listing.splitlines() if line.lstrip(" *").startswith(("bb-other", "c "))]
+    assert len(rows) == 2 and len({line.index("Flat") for line in rows}) == 1, listing
 
 
 def test_the_live_build_is_not_retuned_under_its_servers(built):

@@ -48,7 +48,7 @@ from server.core import metrics
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
                                ShardWrite, WriteOutcome)
 from server.errors import (DeadlineExceeded, FailedPrecondition, ReplicaOverloaded, SearchError,
-                           Unavailable)
+                           ShardUnreachable, Unavailable)
 
 RETRYABLE = (Unavailable, DeadlineExceeded)
 WRONG_BUILD = re.compile(r"serves build (\S+), not (\S+)")
@@ -412,8 +412,8 @@ class ReplicaSet:
                 infos.append(a)
         ok = [x for x in infos if x.state not in ("unreachable", "other_build")]
         if not ok:
-            raise Unavailable(f"shard {self.shard_no}: no replica of build {self.build_id} answered "
-                              f"ShardInfo")
+            raise ShardUnreachable(f"shard {self.shard_no}: no replica of build {self.build_id} "
+                                   f"answered ShardInfo", infos)
         head = ok[0]
         return ShardInfo(head.shard_no, head.collection, head.build_id, head.corpus_version,
                          head.model_id, head.index_version, head.applied_seq, head.documents,

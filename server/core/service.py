@@ -23,10 +23,10 @@ from server.core.encoders import Encoders
 from server.core.engine.local import EnginePools
 from server.core.pipeline import QueryPipeline
 from server.core.registry import CollectionRegistry, LoadedCollection
-from server.core.types import SearchQuery, SearchResult, WriteRequest
+from server.core.types import SearchQuery, SearchResult, ShardInfo, WriteRequest
 from server.core.writes import WriteAck, WriteLog, WritePath
 from server.core.validation import check_batch_size
-from server.errors import FailedPrecondition, SearchError
+from server.errors import FailedPrecondition, SearchError, ShardUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +111,27 @@ class SearchCore:
 
     async def stats(self, name: str, tenant: Optional[str] = None, digest: bool = False) -> dict:
         """Live counts from every shard (of one tenant's documents only when `tenant` is given:
-        a tenant-scoped admin) and, for operators, each shard's applied log position and digest."""
-        infos = await self._infos(self.registry.get(name), tenant, digest)
+        a tenant-scoped admin) and, for operators, each shard's applied log position and digest.
+        An operator's view survives a shard none of whose replicas answers: that shard's
+        replicas are listed unreachable, the counts are the other shards' and `shard_errors`
+        says so (outside QA: the whole call failed UNAVAILABLE, the view an outage needs most).
+        A tenant admin's counts are never partial: that call fails."""
+        coll = self.registry.get(name)
+        answers = await asyncio.gather(*(s.info(tenant, digest) for s in coll.shards),
+                                       return_exceptions=True)
+        infos, errors = [], []
+        for shard, a in zip(coll.shards, answers):
+            if isinstance(a, ShardUnreachable) and tenant is None:
+                infos.append(ShardInfo(shard.shard_no, name, "", "", "", 0, 0, 0, 0, 0,
+                                       state="unreachable", replicas=a.replicas))
+                errors.append(str(a))
+            elif isinstance(a, BaseException):
+                raise a
+            else:
+                infos.append(a)
         return {"documents": sum(i.documents for i in infos), "chunks": sum(i.chunks for i in infos),
                 "vectors": sum(i.vectors for i in infos), "shards": infos,
-                "stages": metrics.RECENT.percentiles()}
+                "stages": metrics.RECENT.percentiles(), "shard_errors": errors}
 
     @staticmethod
     async def _infos(coll: LoadedCollection, tenant: Optional[str], digest: bool = False) -> list:

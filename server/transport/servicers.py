@@ -149,7 +149,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
                                   digest=operator and request.digest)
         out = pb.CollectionStatsResponse(
             collection=request.collection, documents=s["documents"], chunks=s["chunks"],
-            vectors=s["vectors"])
+            vectors=s["vectors"], shard_errors=s["shard_errors"])
         if operator:  # the stage window counts every tenant's queries: operators only
             out.stages.extend(pb.StagePercentiles(stage=k, count=v["count"], p50_ms=v["p50_ms"],
                                                   p95_ms=v["p95_ms"], p99_ms=v["p99_ms"])

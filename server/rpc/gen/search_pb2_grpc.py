@@ -287,6 +287,7 @@ class AdminServiceServicer:
 
     def Compact(self, request, context):
         """Drop tombstones: write a compacted build, audit, publish, switch (writes during it are kept).
+        Where the shards are local (`serve`); a router answers FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
