@@ -319,3 +319,26 @@ def test_a_write_routed_for_the_build_before_a_switch_lands_where_the_live_build
                 run(engine._handle("info", ("sw", before - 1, None, False)))
     finally:
         srv.stop()
+
+
+def test_hits_cross_the_engine_link_whole():
+    """Candidates and their records pickle as one tuple of their fields (~3x faster than a
+    slots dataclass's own state): every field, the vector too, comes back as it was."""
+    import pickle
+
+    import numpy as np
+
+    from server.backends.docstore import ChunkRecord
+    from server.core.types import Candidate
+
+    rec = ChunkRecord(7, 70, "doc-7", 2, 10, 42, "A title", "some text", "acme", {"year": "1999"},
+                      ("public", "hr"), 123456789)
+    vec = np.arange(4, dtype=np.float32)
+    for c in (Candidate(70, 0.25, rec, 3), Candidate(70, -1.5, rec, 1, vec)):
+        back = pickle.loads(pickle.dumps(c, protocol=5))
+        assert type(back) is Candidate and type(back.record) is ChunkRecord
+        assert back.record == rec and (back.chunk_id, back.score, back.shard) == (
+            c.chunk_id, c.score, c.shard)
+        assert (back.vector is None) == (c.vector is None)
+        if c.vector is not None:
+            assert back.vector.dtype == np.float32 and np.array_equal(back.vector, c.vector)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import re
 import sqlite3
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -111,6 +112,13 @@ class ChunkRecord:
     acl: tuple = (PUBLIC_ACL,)
     text_hash: int = 0
 
+    def __reduce__(self):
+        # its fields as one tuple: ~3x faster to pickle than a slots dataclass's own state, and
+        # `serve --workers` pickles one per hit over the engine link
+        return (ChunkRecord, _record_fields(self))
+
+
+_record_fields = operator.attrgetter(*(f.name for f in fields(ChunkRecord)))
 
 @dataclass
 class LoggedWrite:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import numpy as np
@@ -198,6 +199,12 @@ class Candidate:
     record: ChunkRecord
     shard: int
     vector: Optional[np.ndarray] = None   # only from a fetch that asked for vectors
+
+    def __reduce__(self):  # as ChunkRecord's: one tuple of the fields (the engine link)
+        return (Candidate, _candidate_fields(self))
+
+
+_candidate_fields = operator.attrgetter(*(f.name for f in fields(Candidate)))
 
 
 @dataclass
