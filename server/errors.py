@@ -38,9 +38,9 @@ class ShardUnreachable(Unavailable):
     """No replica of a shard answered ShardInfo. `replicas`: each one's state (unreachable, or
     serving another build), which an operator's CollectionStats still shows in the outage."""
 
-    def __init__(self, message: str, replicas: list):
+    def __init__(self, message: str, replicas: list = ()):
         super().__init__(message)
-        self.replicas = replicas
+        self.replicas = list(replicas)
 
 
 class ReplicaOverloaded(Unavailable):

@@ -385,7 +385,7 @@ def test_a_hung_shard_still_leaves_time_for_a_partial_answer_and_no_search_waits
         three_shard_build, tiny_embedder):
     """A shard that hangs (never answers): with allow_partial the router answers from the other
     shards before the caller's deadline (it keeps a fifth of the time, up to 200 ms, for that),
-    marked partial, with no feedback round on top; without it, DEADLINE_EXCEEDED at the deadline; and a caller that sets no
+    marked partial, with no feedback round on top; without it, the server's DEADLINE_EXCEEDED naming the shard; and a caller that sets no
     deadline gets the server's default one (--default-deadline-s) instead of waiting for ever.
     The statistics round of BM25 gives up on the hung shard within a budget of its own."""
     procs = [ShardProcess(three_shard_build, "cran3", 0), ShardProcess(three_shard_build, "cran3", 1),

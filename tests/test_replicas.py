@@ -128,6 +128,19 @@ def test_when_every_replica_fails_the_error_sums_them_up():
         run(rs.search(Q, 5))
 
 
+def test_replicas_that_all_ran_out_of_time_answer_deadline_exceeded_not_unavailable():
+    """Review: a replica's own DEADLINE_EXCEEDED can arrive before the set's timer fires for the
+    same deadline; with no replica left the caller heard UNAVAILABLE (retry) for a deadline."""
+    late = ReplicaSet(2, [Replica("a", DeadlineExceeded("Deadline Exceeded"))], HedgePolicy(enabled=False))
+    with pytest.raises(DeadlineExceeded, match=r"shard 2: 1 of 1 replicas failed: a "):
+        run(late.search(Q, 5))
+    mixed = ReplicaSet(2, [Replica("a", DeadlineExceeded("late")), Replica("b", Unavailable("down"))],
+                       HedgePolicy(enabled=False))
+    with pytest.raises(Unavailable) as err:  # one was down, with time left: UNAVAILABLE still
+        run(mixed.search(Q, 5))
+    assert not isinstance(err.value, DeadlineExceeded)
+
+
 def test_a_slow_replica_is_hedged_and_the_loser_cancelled():
     slow, fast = Replica("slow", "slow"), Replica("fast")
     rs = ReplicaSet(0, [slow, fast], FAST_HEDGE)

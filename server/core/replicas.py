@@ -270,6 +270,7 @@ class ReplicaSet:
         tried: set[int] = set()
         running: dict[asyncio.Task, tuple[int, float]] = {}
         failures: list[str] = []
+        timed_out = True  # so far, every failure was a replica's DeadlineExceeded
         hedged_index: Optional[int] = None
 
         def remaining() -> Optional[float]:
@@ -338,11 +339,17 @@ class ReplicaSet:
                     if not retry:
                         raise exc  # the request's fault, the same on every replica
                     failures.append(f"{self._name(i)} {type(exc).__name__}: {exc}")
+                    timed_out = timed_out and isinstance(exc, DeadlineExceeded)
                     if not running and launch() is not None:
                         self.stats["retries"] += 1
                         metrics.RETRIES.labels(str(self.shard_no)).inc()
-            raise Unavailable(f"shard {self.shard_no}: {len(failures)} of {len(self.replicas)} "
-                              f"replicas failed: {'; '.join(failures)}")
+            left = remaining()
+            # every replica ran out of time (a replica's own deadline can beat this loop's
+            # timer): the caller hears DEADLINE_EXCEEDED, not UNAVAILABLE's "retry" (review)
+            error = (DeadlineExceeded if failures and (timed_out or (left is not None and left <= 0))
+                     else Unavailable)
+            raise error(f"shard {self.shard_no}: {len(failures)} of {len(self.replicas)} "
+                        f"replicas failed: {'; '.join(failures)}")
         finally:
             for task in running:
                 task.cancel()  # the loser of a hedge, or calls outliving a failure
