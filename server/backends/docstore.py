@@ -120,6 +120,7 @@ class ChunkRecord:
 
 _record_fields = operator.attrgetter(*(f.name for f in fields(ChunkRecord)))
 
+
 @dataclass
 class LoggedWrite:
     """A write as the store logged it: enough to apply it again to another build."""
