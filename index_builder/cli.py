@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from server.config import optional_path
+
 DATA_DIR_DEFAULT = Path(os.environ.get("SEARCH_DATA_DIR", "data"))
 
 
@@ -233,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--address", default="127.0.0.1:50051", help="the server (default %(default)s)")
     cp.add_argument("--collection", required=True)
     cp.add_argument("--token", default=None, help="bearer token with the operator role")
-    cp.add_argument("--token-file", type=Path, default=None,
+    cp.add_argument("--token-file", type=optional_path, default=None,
                     help="file holding that token (kept out of the process list)")
     _tls_flags(cp)
 
@@ -260,9 +262,9 @@ def _state_dir_flag(parser, why: str) -> None:
 def _tls_flags(parser) -> None:
     """A server that speaks TLS (--tls-cert on its listener): the client side's flags, as
     search-client and search-server health take them."""
-    parser.add_argument("--tls-ca", type=Path, default=None, help="the server speaks TLS: trust this CA")
-    parser.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
-    parser.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
+    parser.add_argument("--tls-ca", type=optional_path, default=None, help="the server speaks TLS: trust this CA")
+    parser.add_argument("--tls-cert", type=optional_path, default=None, help="client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", type=optional_path, default=None, help="key of --tls-cert")
 
 
 def _knobs(args) -> tuple[dict, tuple[str, ...]]:

@@ -22,6 +22,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import grpc
 import numpy as np
 
+from server.config import optional_path
 from server.core.limits import MAX_BATCH_QUERIES, MAX_MESSAGE_BYTES
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
@@ -388,10 +389,10 @@ def _main(argv=None) -> int:
     p.add_argument("--trace", action="store_true",
                    help="print why each hit ranked where it did (with --queries: a `trace` field "
                         "in each JSON line)")
-    p.add_argument("--token-file", type=Path, help="file holding a bearer token (--auth-tokens servers)")
-    p.add_argument("--tls-ca", type=Path, help="CA certificate: connect with TLS")
-    p.add_argument("--tls-cert", type=Path, help="client certificate (mutual TLS)")
-    p.add_argument("--tls-key", type=Path, help="client key (mutual TLS)")
+    p.add_argument("--token-file", type=optional_path, help="file holding a bearer token (--auth-tokens servers)")
+    p.add_argument("--tls-ca", type=optional_path, help="CA certificate: connect with TLS")
+    p.add_argument("--tls-cert", type=optional_path, help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", type=optional_path, help="client key (mutual TLS)")
     p.add_argument("--wait", type=float, default=0, help="wait this long for the server first")
     p.add_argument("--timeout", type=_positive_seconds, default=None,
                    help="deadline per call in seconds (default 10; with --queries, 10 or 50 ms per "

@@ -32,6 +32,13 @@ from server.core import limits
 ENV_PREFIX = "SEARCH_"
 
 
+def optional_path(text: str) -> Optional[Path]:
+    """An argparse `type` for an optional file: an empty value (`--tls-cert ""`, a template's
+    empty variable) leaves the flag unset; Path("") is the current directory, which was then
+    read as the file (outside QA)."""
+    return Path(text) if text else None
+
+
 def opt(default: Any, help: str, **extra) -> Any:
     """A configuration field: its default and the help text its flag shows."""
     if isinstance(default, (list, dict)):
@@ -381,13 +388,16 @@ def _coerce(annotation, value, where: str):
             if isinstance(value, str):
                 return [v.strip() for v in value.split(",") if v.strip()]
             return list(value)
+        if base in (int, float, str, Path) and isinstance(value, str) and value == "" \
+                and annotation is not str:
+            # `--tls-cert ""` (or an empty env var in a manifest) was Path(""), the current
+            # directory: a server that failed reading "." as a certificate
+            if type(None) in typing.get_args(annotation):
+                return None  # an optional field: empty = unset
+            raise ValueError("is empty (leave it out to use the default)")
         if base is Path:
             return Path(value)
         if base in (int, float, str):
-            if isinstance(value, str) and value == "" and annotation is not str:
-                if type(None) in typing.get_args(annotation):
-                    return None  # an optional field: empty = unset
-                raise ValueError("is empty (leave it out to use the default)")
             if base is int:
                 if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                     raise ValueError(f"not a whole number: {value!r}")

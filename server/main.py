@@ -29,7 +29,7 @@ def build_parser(internal: bool = False, config_role: str = "serve") -> argparse
     """The command line; `internal` adds `frontend`, which `serve --workers N` starts itself (so a
     user's typo is never offered it). `config_role`: the role `config --role` names (its short
     flag names, e.g. a shard's --collection, are then `config`'s too)."""
-    from server.config import add_flags
+    from server.config import add_flags, optional_path
 
     p = argparse.ArgumentParser(prog="search-server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,9 +53,9 @@ def build_parser(internal: bool = False, config_role: str = "serve") -> argparse
                    help='a service name; empty: the server is ready (a shard: caught up on its '
                         'log; the default); "liveness": its event loop answers (liveness probes)')
     h.add_argument("--timeout", type=float, default=3.0, help="seconds (default %(default)s)")
-    h.add_argument("--tls-ca", type=Path, default=None, help="the server speaks TLS: trust this CA")
-    h.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
-    h.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
+    h.add_argument("--tls-ca", type=optional_path, default=None, help="the server speaks TLS: trust this CA")
+    h.add_argument("--tls-cert", type=optional_path, default=None, help="client certificate (mutual TLS)")
+    h.add_argument("--tls-key", type=optional_path, default=None, help="key of --tls-cert")
     if internal:  # the front-end worker of `serve --workers N` (started by serve itself)
         f = sub.add_parser("frontend")
         f.add_argument("--engine-socket", required=True)

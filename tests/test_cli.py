@@ -458,6 +458,12 @@ def test_client_tls_flags_without_their_pair_or_file_are_one_line_errors(tmp_pat
                                   capture_output=True, text=True, timeout=120)
             assert proc.returncode == 2, (tool, flags, proc.returncode, proc.stderr[-300:])
             assert said in proc.stderr and "Traceback" not in proc.stderr, (tool, flags, proc.stderr)
+        # empty flags are unset, not Path("") - the current directory, refused as "--tls-ca .:
+        # Is a directory" (outside QA): plaintext, so the call reaches the (absent) server
+        proc = subprocess.run([sys.executable, "-m", *argv, "--tls-ca", "", "--tls-cert", "",
+                               "--tls-key", ""], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr, (tool, proc.stderr[-300:])
 
 
 def _free_port() -> int:

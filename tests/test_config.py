@@ -58,6 +58,7 @@ def test_a_bad_environment_value_names_the_variable():
 @pytest.mark.parametrize("env,error", [
     ({"SEARCH_MAX_INFLIGHT": ""}, "SEARCH_MAX_INFLIGHT: is empty"),
     ({"SEARCH_PORT": ""}, "SEARCH_PORT: is empty"),
+    ({"SEARCH_DATA_DIR": ""}, "SEARCH_DATA_DIR: is empty"),
     ({"SEARCH_MAX_INFLIGHT": "-1"}, "out of range \\(must be >= 1\\)"),
     ({"SEARCH_RETRIEVAL_CACHE_SIZE": "-1"}, "out of range \\(must be >= 0\\)"),
     ({"SEARCH_BATCH_CHUNK": "-3"}, "SEARCH_BATCH_CHUNK"),
@@ -77,6 +78,10 @@ def test_optional_values_may_be_empty_and_bounded_values_at_their_bounds_pass():
                 {"SEARCH_METRICS_PORT": "", "SEARCH_DENSE_FEEDBACK_WEIGHT": "1"})
     assert cfg.listen.metrics_port is None and cfg.engine.device_nice == -20
     assert cfg.pipeline.retrieval_cache_size == 0 and cfg.pipeline.dense_feedback_weight == 1.0
+    # an empty path is unset, not Path("") - the current directory, which a server then read as
+    # its certificate (outside QA: `--tls-cert ""` failed reading ".")
+    cfg = parse("serve", ["--tls-cert", "", "--tls-key", ""], {"SEARCH_RERANKER": ""})
+    assert cfg.listen.tls_cert is None and cfg.listen.tls_key is None and cfg.models.reranker is None
 
 
 def test_config_print_shows_the_effective_configuration_and_it_round_trips(tmp_path):
