@@ -1,5 +1,7 @@
 """Shard servers as real processes on 127.0.0.1 behind a router: equivalence with the embedded
 default, replica death, hedging around a hung replica, deadlines, admission control, metrics."""
+import os
+import signal
 import threading
 import time
 import urllib.request
@@ -368,13 +370,24 @@ def test_an_operator_still_sees_collection_stats_while_a_shard_is_down(three_sha
         whole = admin.CollectionStats(pb.CollectionStatsRequest(collection="cran3"), timeout=30)
         assert not whole.shard_errors and {r.state for r in whole.replicas} == {"serving"}
         per_shard = {r.shard: r.chunks for r in whole.replicas}
+        # hung (stopped: its port still takes the call, nothing answers), then down (refused)
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            # outside QA: the shards' own 10 s ShardInfo timeout held the answer past the
+            # caller's deadline, which then ended the call with DEADLINE_EXCEEDED
+            hung = admin.CollectionStats(pb.CollectionStatsRequest(collection="cran3"), timeout=3)
+            assert time.monotonic() - t0 < 3
+        finally:
+            os.kill(procs[2].pid, signal.SIGCONT)
         procs[2].stop()
         down = admin.CollectionStats(pb.CollectionStatsRequest(collection="cran3"), timeout=30)
-        assert len(down.shard_errors) == 1 and down.shard_errors[0].startswith("shard 2:"), down
-        states = {(r.shard, r.replica, r.state) for r in down.replicas}
-        assert (2, procs[2].address, "unreachable") in states, states
-        assert {(s, st) for s, _, st in states} == {(0, "serving"), (1, "serving"), (2, "unreachable")}
-        assert down.chunks == per_shard[0] + per_shard[1] < whole.chunks
+        for answer in (hung, down):
+            assert len(answer.shard_errors) == 1 and answer.shard_errors[0].startswith("shard 2:"), answer
+            states = {(r.shard, r.replica, r.state) for r in answer.replicas}
+            assert (2, procs[2].address, "unreachable") in states, states
+            assert {(s, st) for s, _, st in states} == {(0, "serving"), (1, "serving"), (2, "unreachable")}
+            assert answer.chunks == per_shard[0] + per_shard[1] < whole.chunks
     finally:
         router.stop()
         for p in procs:

@@ -45,6 +45,7 @@ from typing import Awaitable, Callable, Optional, Sequence
 import numpy as np
 
 from server.core import metrics
+from server.core.shard_api import SHARD_INFO_TIMEOUT_S
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
                                ShardWrite, WriteOutcome)
 from server.errors import (DeadlineExceeded, FailedPrecondition, ReplicaOverloaded, SearchError,
@@ -404,7 +405,7 @@ class ReplicaSet:
         return results[0]
 
     async def info(self, tenant: Optional[str] = None, digest: bool = False,
-                   timeout: Optional[float] = 10.0) -> ShardInfo:
+                   timeout: Optional[float] = SHARD_INFO_TIMEOUT_S) -> ShardInfo:
         """Every replica's own ShardInfo (in `replicas`), headed by the first that answered."""
         answers = await asyncio.gather(*(r.info(tenant, digest, timeout) for r in self.replicas),
                                        return_exceptions=True)

@@ -23,6 +23,7 @@ from server.core.encoders import Encoders
 from server.core.engine.local import EnginePools
 from server.core.pipeline import QueryPipeline
 from server.core.registry import CollectionRegistry, LoadedCollection
+from server.core.shard_api import SHARD_INFO_TIMEOUT_S
 from server.core.types import SearchQuery, SearchResult, ShardInfo, WriteRequest
 from server.core.writes import WriteAck, WriteLog, WritePath
 from server.core.validation import check_batch_size
@@ -109,15 +110,23 @@ class SearchCore:
         with self.admission.admit(len(queries)):
             return await self.pipeline.search(queries, tenant, tuple(acl_scopes), deadline)
 
-    async def stats(self, name: str, tenant: Optional[str] = None, digest: bool = False) -> dict:
+    async def stats(self, name: str, tenant: Optional[str] = None, digest: bool = False,
+                    deadline: Optional[float] = None) -> dict:
         """Live counts from every shard (of one tenant's documents only when `tenant` is given:
         a tenant-scoped admin) and, for operators, each shard's applied log position and digest.
         An operator's view survives a shard none of whose replicas answers: that shard's
         replicas are listed unreachable, the counts are the other shards' and `shard_errors`
         says so (outside QA: the whole call failed UNAVAILABLE, the view an outage needs most).
-        A tenant admin's counts are never partial: that call fails."""
+        A tenant admin's counts are never partial: that call fails. `deadline` (the caller's,
+        on the loop's clock): a replica that hangs is given up a twentieth of the time left (up
+        to 50 ms) before it, so the answer - the other shards' view - reaches the caller in
+        time (outside QA: the shards' own 10 s ShardInfo timeout held it past the caller's)."""
         coll = self.registry.get(name)
-        answers = await asyncio.gather(*(s.info(tenant, digest) for s in coll.shards),
+        limit = {}
+        if deadline is not None:
+            left = max(0.0, deadline - asyncio.get_running_loop().time())
+            limit["timeout"] = min(SHARD_INFO_TIMEOUT_S, left - min(0.05 * left, 0.05))
+        answers = await asyncio.gather(*(s.info(tenant, digest, **limit) for s in coll.shards),
                                        return_exceptions=True)
         infos, errors = [], []
         for shard, a in zip(coll.shards, answers):

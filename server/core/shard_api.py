@@ -19,6 +19,10 @@ from server.errors import SearchError
 
 SearchAnswer = Union[ShardResult, SearchError]
 
+# how long a remote shard's `info` may take when the caller gives no time: a hung replica must
+# not hold CollectionStats (or a router's start) for ever
+SHARD_INFO_TIMEOUT_S = 10.0
+
 
 class Shard(Protocol):
     shard_no: int

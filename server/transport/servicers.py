@@ -146,7 +146,8 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         principal = self.auth.authenticate(context.invocation_metadata()).require("admin")
         operator = principal.is_operator
         s = await self.core.stats(request.collection, None if operator else principal.tenant,
-                                  digest=operator and request.digest)
+                                  operator and request.digest,
+                                  deadline_of(context, self.core.config.listen.default_deadline_s))
         out = pb.CollectionStatsResponse(
             collection=request.collection, documents=s["documents"], chunks=s["chunks"],
             vectors=s["vectors"], shard_errors=s["shard_errors"])

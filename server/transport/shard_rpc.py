@@ -20,6 +20,7 @@ import grpc
 from server import errors
 from server.core import metrics
 from server.core.admission import Admission
+from server.core.shard_api import SHARD_INFO_TIMEOUT_S
 from server.core.types import Candidate, FetchRequest, ShardInfo, ShardQuery, ShardWrite, WriteOutcome
 from server.rpc import shard_pb2 as spb
 from server.rpc import shard_pb2_grpc as spb_grpc
@@ -252,7 +253,7 @@ class RemoteShard:
         return [codec.outcome_from_pb(o) for o in resp.outcomes]
 
     async def info(self, tenant: Optional[str] = None, digest: bool = False,
-                   timeout: Optional[float] = 10.0, wait: bool = False) -> ShardInfo:
+                   timeout: Optional[float] = SHARD_INFO_TIMEOUT_S, wait: bool = False) -> ShardInfo:
         try:
             resp = await self.stub.ShardInfo(spb.ShardInfoRequest(tenant=tenant or "", digest=digest),
                                              timeout=timeout, wait_for_ready=wait,
