@@ -89,6 +89,25 @@ def test_concurrent_queries_share_faiss_calls_and_each_gets_its_own_results(engi
     assert {r.batch_size for r in results[1:]} == {32}
 
 
+def test_one_messages_queries_leave_an_idle_shard_in_full_batches(engine_build, rng):
+    """A message of many queries (a SearchBatch chunk, a router's message) is queued whole before
+    anything is dispatched: 8 queries at max_batch 4 are two calls of 4, each query with its
+    own answer (queued one at a time, the first went alone: 1 + 4 + 3)."""
+    data, desc = engine_build
+    shard, pools = open_shard(data, desc, max_batch=4)
+    vectors = rng.standard_normal((8, desc.dim)).astype(np.float32)
+    expected = [shard.index.search_group([query(desc, "alpha", v)])[0] for v in vectors]
+    groups = GatedGroups(shard)
+    try:
+        results = asyncio.run(shard.search([query(desc, "alpha", v) for v in vectors]))
+    finally:
+        asyncio.run(shard.close())
+        pools.close()
+    assert [len(b) for b in groups.batches] == [4, 4]
+    for got, want in zip(results, expected):
+        assert [c.chunk_id for c in got.dense] == [c.chunk_id for c in want.dense]
+
+
 def test_a_cancelled_or_expired_query_is_dropped_before_the_index_call(engine_build, rng):
     from server.core import metrics
     from server.errors import DeadlineExceeded

@@ -140,17 +140,19 @@ class LocalShard:
             return await self._term_stats(queries, timeout)
         deadline = None if timeout is None else loop.time() + timeout
         answers: list = [None] * len(queries)
-        futures = {}
+        valid = []
         for i, q in enumerate(queries):
             try:
                 validate_shard_query(q, self.desc.dim)
                 self.index.check_query(q)
                 if q.min_applied_seq > self.index.applied_seq and self.replicated:
                     await self.wait_applied(q.min_applied_seq, deadline)
-                futures[i] = self.scheduler.submit(q, deadline)
+                valid.append(i)
             except SearchError as exc:
                 answers[i] = exc
-        if futures:
+        if valid:
+            futures = dict(zip(valid, self.scheduler.submit_many([queries[i] for i in valid],
+                                                                 deadline)))
             # one waiter for all of them (no gather, no task): the hot path of every search
             pending = list(futures.values())
             try:
