@@ -262,8 +262,10 @@ def _state_dir_flag(parser, why: str) -> None:
 def _tls_flags(parser) -> None:
     """A server that speaks TLS (--tls-cert on its listener): the client side's flags, as
     search-client and search-server health take them."""
-    parser.add_argument("--tls-ca", type=optional_path, default=None, help="the server speaks TLS: trust this CA")
-    parser.add_argument("--tls-cert", type=optional_path, default=None, help="client certificate (mutual TLS)")
+    parser.add_argument("--tls-ca", type=optional_path, default=None,
+                        help="the server speaks TLS: trust this CA")
+    parser.add_argument("--tls-cert", type=optional_path, default=None,
+                        help="client certificate (mutual TLS)")
     parser.add_argument("--tls-key", type=optional_path, default=None, help="key of --tls-cert")
 
 

@@ -389,7 +389,8 @@ def _main(argv=None) -> int:
     p.add_argument("--trace", action="store_true",
                    help="print why each hit ranked where it did (with --queries: a `trace` field "
                         "in each JSON line)")
-    p.add_argument("--token-file", type=optional_path, help="file holding a bearer token (--auth-tokens servers)")
+    p.add_argument("--token-file", type=optional_path,
+                   help="file holding a bearer token (--auth-tokens servers)")
     p.add_argument("--tls-ca", type=optional_path, help="CA certificate: connect with TLS")
     p.add_argument("--tls-cert", type=optional_path, help="client certificate (mutual TLS)")
     p.add_argument("--tls-key", type=optional_path, help="client key (mutual TLS)")

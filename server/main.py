@@ -53,8 +53,10 @@ def build_parser(internal: bool = False, config_role: str = "serve") -> argparse
                    help='a service name; empty: the server is ready (a shard: caught up on its '
                         'log; the default); "liveness": its event loop answers (liveness probes)')
     h.add_argument("--timeout", type=float, default=3.0, help="seconds (default %(default)s)")
-    h.add_argument("--tls-ca", type=optional_path, default=None, help="the server speaks TLS: trust this CA")
-    h.add_argument("--tls-cert", type=optional_path, default=None, help="client certificate (mutual TLS)")
+    h.add_argument("--tls-ca", type=optional_path, default=None,
+                   help="the server speaks TLS: trust this CA")
+    h.add_argument("--tls-cert", type=optional_path, default=None,
+                   help="client certificate (mutual TLS)")
     h.add_argument("--tls-key", type=optional_path, default=None, help="key of --tls-cert")
     if internal:  # the front-end worker of `serve --workers N` (started by serve itself)
         f = sub.add_parser("frontend")

@@ -81,7 +81,8 @@ def test_optional_values_may_be_empty_and_bounded_values_at_their_bounds_pass():
     # an empty path is unset, not Path("") - the current directory, which a server then read as
     # its certificate (outside QA: `--tls-cert ""` failed reading ".")
     cfg = parse("serve", ["--tls-cert", "", "--tls-key", ""], {"SEARCH_RERANKER": ""})
-    assert cfg.listen.tls_cert is None and cfg.listen.tls_key is None and cfg.models.reranker is None
+    assert cfg.listen.tls_cert is None and cfg.listen.tls_key is None
+    assert cfg.models.reranker is None
 
 
 def test_config_print_shows_the_effective_configuration_and_it_round_trips(tmp_path):

@@ -253,7 +253,8 @@ class RemoteShard:
         return [codec.outcome_from_pb(o) for o in resp.outcomes]
 
     async def info(self, tenant: Optional[str] = None, digest: bool = False,
-                   timeout: Optional[float] = SHARD_INFO_TIMEOUT_S, wait: bool = False) -> ShardInfo:
+                   timeout: Optional[float] = SHARD_INFO_TIMEOUT_S,
+                   wait: bool = False) -> ShardInfo:
         try:
             resp = await self.stub.ShardInfo(spb.ShardInfoRequest(tenant=tenant or "", digest=digest),
                                              timeout=timeout, wait_for_ready=wait,
