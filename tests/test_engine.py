@@ -1277,3 +1277,72 @@ def test_a_failed_flip_leaves_bm25_as_the_store_says_after_the_next_write(tmp_pa
         assert found("zyxthird") == ["d0"] and index.store.unpurged()
     finally:
         index.close()
+
+
+def test_a_document_written_several_times_in_one_group_ends_as_the_writes_in_order_leave_it(
+        tmp_path, rng):
+    """One call with repeats (a replica replaying a log that rewrites a few documents): one
+    group, one flip, each write answered as it would be in order, and the shard ends as it does
+    when every write is applied alone - the same live rows, versions and tombstones, the log
+    position of the last write (a no-op) included. Outside QA: each repeat split the call into
+    another group and commit, and a replica caught up at ~80 log entries a second."""
+    from index_builder.corpus import Document
+    from server.core.chunking import document_chunks
+    from server.core.collection import CollectionStore
+    from server.core.engine.index import ShardIndex
+    from server.core.types import ShardQuery, ShardWrite
+
+    docs = [Document(f"d{i}", f"plain words number {i}") for i in range(4)]
+    desc = publish_build(tmp_path, "reps", docs, None,
+                         vectors=rng.standard_normal((len(docs), 8)).astype(np.float32), model_id="m")
+    vectors = {}
+
+    def write(op, doc_id, version, seq, text=""):
+        chunks = tuple(document_chunks("", text)) if op == "upsert" else ()
+        key = (doc_id, version)
+        if op == "upsert" and key not in vectors:
+            vectors[key] = rng.standard_normal((len(chunks), 8)).astype(np.float32)
+        w = ShardWrite(op, "default", doc_id, version, {"title": "", "text": text}, chunks,
+                       vectors.get(key) if op == "upsert" else None)
+        w.seq = seq
+        return w
+
+    writes = [write("upsert", "a", 1, 1, "zyxalpha first"),
+              write("upsert", "b", 1, 2, "zyxbravo first"),
+              write("upsert", "a", 3, 3, "zyxalpha third"),
+              write("delete", "b", 2, 4),
+              write("upsert", "a", 2, 5, "zyxalpha stale"),      # below a's 3: a no-op
+              write("upsert", "d1", 2, 6, "zyxdelta replaced"),   # a corpus document
+              write("upsert", "a", 3, 7, "zyxalpha same version, another body"),  # no-op
+              write("delete", "d1", 1, 8)]                         # below 2: the last, a no-op
+    expected = [("applied", 1), ("applied", 1), ("applied", 3), ("applied", 2), ("noop", 3),
+                ("applied", 2), ("noop", 3), ("noop", 2)]
+
+    def shard(name):
+        root = tmp_path / name
+        return ShardIndex(desc, CollectionStore(tmp_path).build_dir("reps", desc.build_id),
+                          root, 0, None, 0)
+
+    together, alone = shard("together"), shard("alone")
+    try:
+        v0 = together.index_version
+        out = together.apply_writes(writes)
+        assert [(o.outcome, o.stored_version) for o in out] == expected
+        assert together.index_version == v0 + 1                      # one flip
+        one_by_one = [alone.apply_writes([w])[0] for w in writes]
+        assert [(o.outcome, o.stored_version) for o in one_by_one] == expected
+        for index in (together, alone):
+            assert index.applied_seq == 8
+        keys = [("default", d) for d in ("a", "b", "d1", "d0")]
+        assert together.store.documents_of(keys) == alone.store.documents_of(keys)
+        assert together.store.live_digest() == alone.store.live_digest()
+        for word, docs_found in (("zyxalpha", ["a"]), ("zyxbravo", []), ("zyxdelta", ["d1"]),
+                                 ("third", ["a"]), ("stale", [])):
+            q = ShardQuery(desc.build_id, "default", None, "m", word, 0, 5)
+            for index in (together, alone):
+                assert [c.record.doc_id for c in index.search_group([q])[0].lexical] == docs_found
+        # the superseded versions never took rows: only what stays was written
+        assert together.nrows < alone.nrows
+    finally:
+        together.close()
+        alone.close()

@@ -606,38 +606,47 @@ class ShardIndex:
 
     # --- writes ------------------------------------------------------------------------------
     def apply_writes(self, writes: Sequence[ShardWrite]) -> list[WriteOutcome]:
-        """Apply writes in order, in groups: one pending insert, one faiss add, one BM25 commit
-        and one visibility flip per group (a document written twice in one call splits it).
-        Idempotent: a version not above the stored one is a no-op that still counts as applied
-        for the write-log position."""
-        out: list[WriteOutcome] = []
+        """Apply writes in order as one group: one pending insert, one faiss add, one BM25 commit
+        and one visibility flip. Idempotent: a version not above the stored one is a no-op that
+        still counts as applied for the write-log position. A document written more than once
+        in the call is stored once, as the writes in order would leave it (its highest version,
+        the first of equal ones); each write's outcome is the one it would get in order.
+        (Outside QA: a document written twice split the call into groups, and a replica
+        replaying a log that kept rewriting a few dozen documents applied ~80 entries/s.)"""
+        if not writes:
+            return []
         with self._write_mutex:
-            start = 0
-            while start < len(writes):
-                keys, end = set(), start
-                while end < len(writes) and writes[end].key not in keys:
-                    keys.add(writes[end].key)
-                    end += 1
-                try:
-                    out.extend(self._apply_group(writes[start:end]))
-                except Exception as exc:
-                    if is_storage_full(exc):  # not INTERNAL: the client should retry, later
-                        full = StorageFull(
-                            f"shard {self.shard_no}: the volume of its state {self.state_dir} is "
-                            f"full ({str(exc).splitlines()[0][:200]}); the write may not have "
-                            f"been applied: free space and send it again (writes are idempotent "
-                            f"by version)")
-                        if time.monotonic() - self._full_logged > 10.0:  # an operator's problem
-                            self._full_logged = time.monotonic()
-                            log.error("%s", full)
-                        raise full from exc
-                    raise
-                start = end
-        return out
+            try:
+                return self._apply_group(writes)
+            except Exception as exc:
+                if is_storage_full(exc):  # not INTERNAL: the client should retry, later
+                    full = StorageFull(
+                        f"shard {self.shard_no}: the volume of its state {self.state_dir} is "
+                        f"full ({str(exc).splitlines()[0][:200]}); the write may not have "
+                        f"been applied: free space and send it again (writes are idempotent "
+                        f"by version)")
+                    if time.monotonic() - self._full_logged > 10.0:  # an operator's problem
+                        self._full_logged = time.monotonic()
+                        log.error("%s", full)
+                    raise full from exc
+                raise
 
     def _apply_group(self, writes: Sequence[ShardWrite]) -> list[WriteOutcome]:
-        stored = self.store.documents_of([w.key for w in writes])
-        fresh = [w for w in writes if not (w.key in stored and stored[w.key][0] >= w.version)]
+        stored = self.store.documents_of(list(dict.fromkeys(w.key for w in writes)))
+        # the version rule in order: each write against what the ones before it left. `then`:
+        # None for a write that applies, else the version it found stored (its no-op's answer)
+        held = {key: version for key, (version, *_) in stored.items()}
+        stays: dict[tuple[str, str], ShardWrite] = {}  # per document, the write that stays
+        then: list[Optional[int]] = []
+        for w in writes:
+            found = held.get(w.key)
+            if found is not None and found >= w.version:
+                then.append(found)
+            else:
+                then.append(None)
+                held[w.key] = w.version
+                stays[w.key] = w
+        fresh = [w for w in writes if stays.get(w.key) is w]
         records: list[ChunkRecord] = []
         versions: list[int] = []
         new_rows: dict[int, list[int]] = {}
@@ -754,10 +763,14 @@ class ShardIndex:
                                                       last.version))
         self._after_flip(lambda: self.store.mark_purged(dead_rows))
         self._after_flip(lambda: self.check_lexical("after a write"))
-        applied = {id(w) for w, flipped in zip(fresh, deads) if flipped is not None}
-        return [WriteOutcome("applied", w.version, self.index_version, w.seq) if id(w) in applied
-                else WriteOutcome("noop", stored.get(w.key, (w.version,))[0], self.index_version, w.seq)
-                for w in writes]
+        # a write that applied in order and was replaced in this group by a later version of its
+        # document applied too (as it would have, in a group of its own, before its successor)
+        flipped = {w.key for w, d in zip(fresh, deads) if d is not None}
+        return [WriteOutcome("applied", w.version, self.index_version, w.seq)
+                if found is None and w.key in flipped
+                else WriteOutcome("noop", found if found is not None
+                                  else stored.get(w.key, (w.version,))[0], self.index_version, w.seq)
+                for w, found in zip(writes, then)]
 
     def _after_flip(self, step) -> None:
         """A clean-up step after a flip: a failure is logged, and the BM25 index is checked row by
