@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -418,11 +419,16 @@ def _load_npy(path: Path, flag: str):
 
     try:
         with open(path, "rb") as f:
-            is_npy = f.read(6) == b"\x93NUMPY"
-        if not is_npy:  # numpy would take any other file for a pickle
-            raise ValueError("not a .npy file")
-        return np.load(path, allow_pickle=False)
-    except ValueError as exc:
+            magic = f.read(6)
+            if magic != b"\x93NUMPY":  # numpy would take any other file for a pickle
+                raise ValueError("not a .npy file")
+            if f.seekable():
+                f.seek(0)
+                return np.load(f, allow_pickle=False)
+            # a pipe (`--vectors <(...)`) reads once: the magic is already taken from it
+            # (outside QA: reopening it by name read it empty, an EOFError traceback)
+            return np.load(io.BytesIO(magic + f.read()), allow_pickle=False)
+    except (ValueError, EOFError) as exc:  # EOFError: a file cut short
         why = ("it holds Python objects, not numbers" if "allow_pickle" in str(exc)
                else str(exc).split("\n")[0])
         raise ValueError(f"{flag} {path}: not a numeric .npy array ({why})") from None
@@ -483,8 +489,8 @@ def cmd_audit(args) -> int:
     queries = None
     if args.audit_queries is not None:
         desc = store.descriptor(args.collection, build)
-        queries = prepare_audit_queries(np.load(args.audit_queries, allow_pickle=False), desc.dim,
-                                        desc.metric)
+        queries = prepare_audit_queries(_load_npy(args.audit_queries, "--audit-queries"),
+                                        desc.dim, desc.metric)
     pinned = ((store.descriptor(args.collection, build).audit or {}).get("tuning") or {}).get(
         "pinned") or ()  # knobs given at build time stay given
     audit = audit_build(store, args.collection, build, args.k, queries=queries,

@@ -860,3 +860,44 @@ def test_bad_tenant_flag_and_vector_files_name_the_flag(tmp_path):
         assert f"--vectors {tmp_path / name}: not a numeric .npy array ({why}" in out.stderr
     out = cli(*base, "--dedicated-tenant-min-chunks", "-5")
     assert out.returncode == 2 and "must be at least 1" in out.stderr
+
+
+def test_vectors_read_from_a_pipe_build_and_a_cut_file_is_refused_by_name(tmp_path):
+    """Outside QA: `--vectors <(...)` (a pipe) failed with an EOFError traceback - the file was
+    opened twice, and its first bytes, read to check the format, were gone from the second read.
+    A pipe is read once now; a file cut short is refused naming the flag, with nothing built."""
+    import io
+    import os
+    import threading
+
+    import numpy as np
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(f'{{"id": "d{i}", "text": "doc {i}"}}\n' for i in range(3)))
+    vectors = np.eye(3, 8, dtype=np.float32)
+    raw = io.BytesIO()
+    np.save(raw, vectors)
+    fifo = tmp_path / "vectors.fifo"
+    os.mkfifo(fifo)
+
+    def feed():
+        with open(fifo, "wb") as f:  # blocks until the builder opens the pipe
+            f.write(raw.getvalue())
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    base = ["build", "--data-dir", tmp_path / "data", "--collection", "c", "--corpus", corpus,
+            "--factory", "Flat", "--quiet", "--model-id", "m"]
+    out = cli(*base, "--vectors", fifo, "--publish", timeout=120)  # (before: blocked for ever
+    writer.join(30)  # on the second open of the pipe, which no one writes again)
+    assert out.returncode == 0, out.stderr
+    listing = cli("list", "--data-dir", tmp_path / "data")
+    assert listing.returncode == 0, listing.stderr
+    assert re.match(r"c\n  \* \S+  Flat +3 chunks", listing.stdout), listing.stdout
+    cut = tmp_path / "cut.npy"
+    cut.write_bytes(raw.getvalue()[:-5])
+    out = cli(*[tmp_path / "data2" if a == tmp_path / "data" else a for a in base], "--vectors", cut)
+    assert out.returncode == 2, out.stderr
+    assert f"--vectors {cut}: not a numeric .npy array" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "data2" / "c").exists()
