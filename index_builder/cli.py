@@ -463,8 +463,6 @@ def _print_tuning(audit: dict, factory: str) -> None:
 
 
 def cmd_audit(args) -> int:
-    import numpy as np
-
     from index_builder.build import audit_build, prepare_audit_queries
     from server.core.collection import CollectionStore
 
