@@ -40,17 +40,31 @@ MAX_ANSWER_BYTES = 64 * 1024 * 1024
 # these retries wait: a caller that must ride that out retries itself. Writes are not
 # (a write answered UNAVAILABLE by a router may have been logged: the caller decides, see
 # WriteResponse); gRPC retries only calls the server answered without a reply's headers.
+# A SearchBatch refused for load (admission control's RESOURCE_EXHAUSTED: "retry with backoff")
+# is retried too, up to 5 attempts, 0.2-2 s apart with gRPC's jitter, one attempt at a time: bulk
+# work waits for room (outside QA: a file of queries failed on the first refusal). A single
+# Search is not: its caller holds a latency budget and decides. An answer over the client's
+# message limit is RESOURCE_EXHAUSTED too, but it comes after the reply's headers, so gRPC
+# never retries it (SearchClient splits that batch instead).
 _SEARCH_SERVICE = pb.DESCRIPTOR.services_by_name["SearchService"].full_name
-RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [{
-    "name": [{"service": _SEARCH_SERVICE, "method": m} for m in ("Search", "SearchBatch")],
-    "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s",
-                    "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})
+RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [
+    {"name": [{"service": _SEARCH_SERVICE, "method": "Search"}],
+     "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s",
+                     "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}},
+    {"name": [{"service": _SEARCH_SERVICE, "method": "SearchBatch"}],
+     "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s",
+                     "backoffMultiplier": 2,
+                     "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]}}]})
+# the longest deadline a call may carry: gRPC takes one of ~1e10 s or more (or inf) for a
+# deadline already past, and fails the call at once with DEADLINE_EXCEEDED (outside QA)
+MAX_TIMEOUT_S = 86400.0
 
 
 def open_channel(address: str, tls_ca: Optional[Path] = None, tls_cert: Optional[Path] = None,
                  tls_key: Optional[Path] = None, max_answer_bytes: int = MAX_ANSWER_BYTES) -> grpc.Channel:
     """A channel to `address`: TLS when a CA (or a client certificate, for mutual TLS) is given;
-    searches answered UNAVAILABLE are retried (RETRY_SERVICE_CONFIG)."""
+    searches answered UNAVAILABLE, and batches refused for load, are retried
+    (RETRY_SERVICE_CONFIG)."""
     options = [("grpc.max_receive_message_length", max_answer_bytes),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.enable_retries", 1), ("grpc.service_config", RETRY_SERVICE_CONFIG)]
@@ -98,10 +112,13 @@ def wait_ready(address: str, timeout: float = 60.0, tls_ca: Optional[Path] = Non
 
 @dataclass
 class BatchResult:
-    """One query's answer within a batch: `code` OK with `response`, or the error for it alone."""
+    """One query's answer within a batch: `code` OK with `response`, or the error for it alone
+    - or, `call_failed`, the error of the whole call that carried it (search_batch with
+    `per_query_errors`)."""
     code: grpc.StatusCode
     message: str
     response: Optional[pb.SearchResponse]
+    call_failed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -118,10 +135,10 @@ class SearchClient:
                  tls_ca: Optional[Path] = None, tls_cert: Optional[Path] = None,
                  tls_key: Optional[Path] = None, timeout: float = 10.0,
                  max_answer_bytes: int = MAX_ANSWER_BYTES):
+        self.timeout = _check_timeout(timeout)
         self.channel = open_channel(address, tls_ca, tls_cert, tls_key, max_answer_bytes)
         self.stub = pb_grpc.SearchServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.timeout = timeout
 
     def search(self, text: str = "", *, collection: str, top_k: int = 10,
                mode: Optional[str] = None, vector: Optional[Sequence[float]] = None,
@@ -137,20 +154,39 @@ class SearchClient:
             return self.timeout if default is None else default
         return _check_timeout(timeout)
 
-    def search_batch(self, requests: Iterable[pb.SearchRequest],
-                     timeout: Optional[float] = None) -> Iterator[BatchResult]:
-        """Answers in the order of `requests`, sent MAX_BATCH_QUERIES per call; `timeout` is
-        each call's deadline. A call that fails as a whole raises grpc.RpcError. A generator:
-        `requests` is read, and each call made, as the answers are iterated (a file of queries
-        streams through), so iterate it while the client is open - `list(...)` for all at once."""
+    def search_batch(self, requests: Iterable[pb.SearchRequest], timeout: Optional[float] = None,
+                     batch_size: int = MAX_BATCH_QUERIES,
+                     per_query_errors: bool = False) -> Iterator[BatchResult]:
+        """Answers in the order of `requests`, sent `batch_size` per call; `timeout` is each
+        call's deadline (default: the client's, or 50 ms per query of the call if longer). A call
+        that fails as a whole raises grpc.RpcError - or, `per_query_errors`, answers each of its
+        queries with that call's status (`call_failed`) and the next calls are still made, so the
+        answers always line up with the requests. A call refused for load is retried with
+        backoff first (RETRY_SERVICE_CONFIG). A generator: `requests` is read, and each call
+        made, as the answers are iterated (a file of queries streams through), so iterate it
+        while the client is open - `list(...)` for all at once."""
+        if not 1 <= batch_size <= MAX_BATCH_QUERIES:
+            raise ValueError(f"batch_size must be 1 to {MAX_BATCH_QUERIES}, not {batch_size!r}")
+        if timeout is not None:
+            _check_timeout(timeout)  # before the first call, not after a file's first batch
         chunk: list[pb.SearchRequest] = []
         for req in requests:
             chunk.append(req)
-            if len(chunk) == MAX_BATCH_QUERIES:
-                yield from self._batch(chunk, timeout)
+            if len(chunk) == batch_size:
+                yield from self._call(chunk, timeout, per_query_errors)
                 chunk = []
         if chunk:
-            yield from self._batch(chunk, timeout)
+            yield from self._call(chunk, timeout, per_query_errors)
+
+    def _call(self, chunk: list[pb.SearchRequest], timeout: Optional[float],
+              per_query_errors: bool) -> list[BatchResult]:
+        try:
+            return self._batch(chunk, timeout)
+        except grpc.RpcError as err:
+            if not per_query_errors:
+                raise
+            failed = BatchResult(err.code(), err.details() or "", None, call_failed=True)
+            return [failed] * len(chunk)
 
     def _batch(self, chunk: list[pb.SearchRequest], timeout: Optional[float]) -> list[BatchResult]:
         try:
@@ -179,8 +215,21 @@ class SearchClient:
 
 
 def _check_timeout(value: float) -> float:
-    if not value > 0:  # also NaN
-        raise ValueError(f"timeout must be a positive number of seconds, not {value!r}")
+    if not 0 < value <= MAX_TIMEOUT_S:  # also NaN
+        raise ValueError(f"timeout must be a positive number of seconds up to {MAX_TIMEOUT_S:g} "
+                         f"(a day), not {value!r}")
+    return value
+
+
+def _batch_size(text: str) -> int:
+    """--batch-size: queries per SearchBatch call, 1 to the server's cap."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_BATCH_QUERIES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of queries from 1 to "
+                                         f"{MAX_BATCH_QUERIES}")
     return value
 
 
@@ -330,32 +379,55 @@ def _run_file(client: SearchClient, args) -> int:
         return 2
     codes: Counter = Counter()
     t0 = time.perf_counter()
+    answered, failed_in_a_row = 0, 0
     try:
-        reqs = (request(text, collection=args.collection, top_k=args.top_k, mode=args.mode,
-                        include_trace=args.trace)
-                for _, text in queries)
-        for (qid, _), res in zip(queries, client.search_batch(reqs, args.timeout)):
-            codes[res.code.name] += 1
-            row = {"id": qid, "code": res.code.name}
-            if res.ok:
-                row["hits"] = [{"doc_id": h.doc_id, "chunk_id": h.chunk_id, "score": round(h.score, 6)}
-                               for h in res.response.hits]
-                if args.trace:
-                    row["trace"] = trace_json(res.response)
-            else:
-                row["message"] = res.message
-            out.write(json.dumps(row) + "\n")
-    except grpc.RpcError as err:
-        print(f"{err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
+        # one call at a time: a call that fails as a whole (its deadline, a server going away)
+        # writes a line with its status for each of its queries and the next call is still made,
+        # so the file keeps one line per query (outside QA: it ended at the failed call, 1,024
+        # lines of 2,600, unsaid). Calls failing in a row mean the server is gone: stop there.
+        for start in range(0, len(queries), args.batch_size):
+            part = queries[start:start + args.batch_size]
+            reqs = [request(text, collection=args.collection, top_k=args.top_k, mode=args.mode,
+                            include_trace=args.trace) for _, text in part]
+            results = list(client.search_batch(reqs, args.timeout, args.batch_size,
+                                               per_query_errors=True))
+            for (qid, _), res in zip(part, results):
+                codes[res.code.name] += 1
+                out.write(json.dumps(_row(qid, res, args.trace)) + "\n")
+            answered += len(part)
+            failed_in_a_row = failed_in_a_row + 1 if all(r.call_failed for r in results) else 0
+            if failed_in_a_row:
+                print(f"search-client: the call of queries {start + 1}-{start + len(part)} failed: "
+                      f"{results[0].code.name}: {results[0].message}", file=sys.stderr)
+            if failed_in_a_row == GIVE_UP_AFTER_FAILED_CALLS and answered < len(queries):
+                print(f"search-client: {GIVE_UP_AFTER_FAILED_CALLS} calls in a row failed; the "
+                      f"other {len(queries) - answered} queries were not sent", file=sys.stderr)
+                break
     finally:
         if out is not sys.stdout:
             out.close()
     secs = time.perf_counter() - t0
     summary = ", ".join(f"{n} {c}" for c, n in codes.most_common())
-    print(f"{len(queries)} queries in {secs:.2f} s ({len(queries) / max(secs, 1e-9):.0f}/s): {summary}",
-          file=sys.stderr)
+    unsent = f", {len(queries) - answered} not sent" if answered < len(queries) else ""
+    print(f"{len(queries)} queries in {secs:.2f} s ({answered / max(secs, 1e-9):.0f}/s): "
+          f"{summary}{unsent}", file=sys.stderr)
     return 0 if codes["OK"] == len(queries) else 1
+
+
+GIVE_UP_AFTER_FAILED_CALLS = 3
+
+
+def _row(qid: str, res: BatchResult, trace: bool) -> dict:
+    """One query's JSON line: id, code, and its hits (and trace) or the error's message."""
+    row = {"id": qid, "code": res.code.name}
+    if res.ok:
+        row["hits"] = [{"doc_id": h.doc_id, "chunk_id": h.chunk_id, "score": round(h.score, 6)}
+                       for h in res.response.hits]
+        if trace:
+            row["trace"] = trace_json(res.response)
+    else:
+        row["message"] = res.message
+    return row
 
 
 def stdout_reader_gone() -> None:
@@ -398,11 +470,17 @@ def _main(argv=None) -> int:
     p.add_argument("--timeout", type=_positive_seconds, default=None,
                    help="deadline per call in seconds (default 10; with --queries, 10 or 50 ms per "
                         "query of the call, whichever is longer)")
+    p.add_argument("--batch-size", type=_batch_size, default=MAX_BATCH_QUERIES,
+                   help="with --queries: queries per SearchBatch call (default %(default)s, the "
+                        "server's cap; smaller when a server answers RESOURCE_EXHAUSTED \"send "
+                        "smaller batches\" after its retries, or for shorter calls)")
     args = p.parse_args(argv)
     if (args.query is None) == (args.queries is None):
         p.error("give one query or --queries FILE")
     if args.out and args.queries is None:  # (outside QA: it was ignored)
         p.error("--out writes the answers of --queries FILE; one query's answer is printed")
+    if args.batch_size != MAX_BATCH_QUERIES and args.queries is None:
+        p.error("--batch-size cuts the calls of --queries FILE; one query is one call")
     try:
         token = args.token_file.read_text().strip() if args.token_file else None
     except OSError as exc:

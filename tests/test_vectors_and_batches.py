@@ -358,6 +358,11 @@ def test_the_builder_takes_vectors_from_the_command_line(tmp_path):
     out = subprocess.run([*audit, "--audit-queries", str(tmp_path / "q8.npy")], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "audit queries must be an (n, 16) array" in out.stderr, out.stderr
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "q.npy").read_bytes()[:-7])  # (was a traceback)
+    out = subprocess.run([*audit, "--audit-queries", str(tmp_path / "cut.npy")], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"--audit-queries {tmp_path / 'cut.npy'}: not a numeric .npy array" in out.stderr
 
 
 def test_a_skipped_record_keeps_its_vector_row_with_or_without_a_limit(tmp_path):
@@ -516,39 +521,153 @@ def test_a_batch_whose_answer_is_over_the_message_limit_is_split_not_failed(vec_
         [[h.chunk_id for h in r.response.hits] for r in whole]
 
 
-def test_a_batch_refused_for_load_is_not_split_into_more_calls():
+def test_a_batch_refused_for_load_is_retried_whole_with_backoff_not_split():
     """Regression (outside QA): the client split a batch in halves on any RESOURCE_EXHAUSTED, so
     a server refusing for load ("retry with backoff") got 73 calls at once for 10 batches of
-    64. Only gRPC's own message-size refusal splits; a refusal for load reaches the caller after
-    one call. (The peer is a real gRPC server that answers every SearchBatch as an overloaded
-    search server does.)"""
+    64. Only gRPC's own message-size refusal splits. A refusal for load is retried as asked -
+    the same 64 queries, one attempt at a time, 5 attempts at most - so a server that has room
+    again answers them (outside QA: a file of queries failed on the first refusal). The peer is
+    a real gRPC server that refuses SearchBatch as an overloaded search server does, `refusals`
+    times, then answers."""
+    import threading
     from concurrent import futures
 
     from server.client import SearchClient, request
 
-    calls = []
+    calls, at_once, lock = [], [0, 0], threading.Lock()  # at_once: now, most
 
     class Overloaded(pb_grpc.SearchServiceServicer):
-        def SearchBatch(self, req, context):
-            calls.append(len(req.queries))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          "1 requests in flight (limit 1); retry with backoff")
+        refusals = 0
 
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    pb_grpc.add_SearchServiceServicer_to_server(Overloaded(), server)
+        def SearchBatch(self, req, context):
+            with lock:
+                calls.append(len(req.queries))
+                at_once[0] += 1
+                at_once[1] = max(at_once)
+            try:
+                if len(calls) <= self.refusals:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  "1 requests in flight (limit 1); retry with backoff")
+                return pb.SearchBatchResponse(results=[
+                    pb.SearchBatchItem(response=pb.SearchResponse(build_id=q.collection))
+                    for q in req.queries])
+            finally:
+                with lock:
+                    at_once[0] -= 1
+
+    servicer = Overloaded()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_SearchServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        reqs = [request(collection="vec", vector=[1.0] * DIM, model_id=MODEL) for _ in range(64)]
+        reqs = [request(collection=f"c{i}", vector=[1.0] * DIM, model_id=MODEL) for i in range(64)]
         with SearchClient(f"127.0.0.1:{port}") as client:
+            servicer.refusals = 10**6  # refused for good: the caller hears it after 5 attempts
             with pytest.raises(grpc.RpcError) as err:
-                list(client.search_batch(reqs, timeout=10))
+                list(client.search_batch(reqs, timeout=30))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "backoff" in err.value.details()
+            assert calls == [64] * 5 and at_once[1] == 1
+            calls.clear()
+            servicer.refusals = 2  # room again after two refusals: every query answers
+            answers = list(client.search_batch(reqs, timeout=30))
+            assert calls == [64] * 3 and at_once[1] == 1
+            assert [a.response.build_id for a in answers] == [f"c{i}" for i in range(64)]
             with pytest.raises(ValueError, match="positive"):
                 client.search("x", collection="vec", timeout=0)
     finally:
         server.stop(None)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "backoff" in err.value.details()
-    assert calls == [64]
+
+
+def test_a_file_of_queries_keeps_one_line_per_query_when_a_call_fails(tmp_path):
+    """Outside QA: a `--queries` run whose second call failed as a whole left 1,024 lines of
+    2,600 and said nothing of the rest; there was no way to send smaller calls after "send
+    smaller batches"; `--timeout inf` (or 1e10) went out as a deadline gRPC took for past, an
+    immediate DEADLINE_EXCEEDED. Now a failed call writes its queries' lines with its status and
+    the next calls are made; three failed calls in a row stop the run, saying how many were not
+    sent; --batch-size cuts the calls; a timeout over a day is refused before any call. The peer
+    is a real gRPC server that fails the calls listed in `failing` (1-based) as a whole."""
+    from concurrent import futures
+
+    from server.client import SearchClient
+
+    calls = []
+
+    class Flaky(pb_grpc.SearchServiceServicer):
+        failing: set = set()
+
+        def SearchBatch(self, req, context):
+            calls.append([q.text for q in req.queries])
+            if len(calls) in self.failing:
+                context.abort(grpc.StatusCode.INTERNAL, f"call {len(calls)} broke")
+            return pb.SearchBatchResponse(results=[
+                pb.SearchBatchItem(response=pb.SearchResponse(
+                    hits=[pb.SearchHit(doc_id=q.text, chunk_id=1, score=1.0)]))
+                for q in req.queries])
+
+    servicer = Flaky()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_SearchServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    queries = tmp_path / "q.txt"
+    queries.write_text("".join(f"q{i}\n" for i in range(1, 8)))  # ids 1-7
+    out = tmp_path / "out.jsonl"
+
+    def run(*extra):
+        calls.clear()
+        out.unlink(missing_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "server.client", "--address",
+                               f"127.0.0.1:{port}", "--queries", str(queries), "--out", str(out),
+                               *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
+        rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+        return proc, [(r["id"], r["code"], r.get("message") or r["hits"][0]["doc_id"])
+                      for r in rows]
+
+    try:
+        servicer.failing = {2}
+        proc, rows = run("--batch-size", "2")
+        assert proc.returncode == 1, proc.stderr
+        assert calls == [["q1", "q2"], ["q3", "q4"], ["q5", "q6"], ["q7"]]
+        assert rows == [("1", "OK", "q1"), ("2", "OK", "q2"), ("3", "INTERNAL", "call 2 broke"),
+                        ("4", "INTERNAL", "call 2 broke"), ("5", "OK", "q5"), ("6", "OK", "q6"),
+                        ("7", "OK", "q7")]
+        assert "queries 3-4 failed: INTERNAL: call 2 broke" in proc.stderr
+        assert "7 queries in" in proc.stderr and "5 OK, 2 INTERNAL" in proc.stderr
+
+        servicer.failing = {1, 2, 3, 4}  # gone: three calls fail, the fourth is never made
+        proc, rows = run("--batch-size", "2")
+        assert proc.returncode == 1 and len(calls) == 3
+        assert [r[:2] for r in rows] == [(str(i), "INTERNAL") for i in range(1, 7)]
+        assert "3 calls in a row failed; the other 1 queries were not sent" in proc.stderr
+        assert "6 INTERNAL, 1 not sent" in proc.stderr
+
+        servicer.failing = set()
+        proc, rows = run()  # by default one call holds them all
+        assert proc.returncode == 0 and len(calls) == 1 and [r[1] for r in rows] == ["OK"] * 7
+
+        for flags, said in ((["--timeout", "inf"], "up to 86400"),
+                            (["--timeout", "1e10"], "up to 86400"),
+                            (["--batch-size", "0"], "from 1 to 1024"),
+                            (["--batch-size", "1025"], "from 1 to 1024")):
+            proc, rows = run(*flags)
+            assert proc.returncode == 2 and said in proc.stderr, (flags, proc.stderr)
+            assert "Traceback" not in proc.stderr and calls == [] and rows == []
+        proc = subprocess.run([sys.executable, "-m", "server.client", "--address",
+                               f"127.0.0.1:{port}", "--batch-size", "2", "q"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "--batch-size cuts the calls of --queries" in proc.stderr
+        with pytest.raises(ValueError, match="up to 86400"):
+            SearchClient(f"127.0.0.1:{port}", timeout=float("inf"))
+        with SearchClient(f"127.0.0.1:{port}") as client:
+            with pytest.raises(ValueError, match="up to 86400"):
+                list(client.search_batch([pb.SearchRequest(text="x")], timeout=1e10))
+            with pytest.raises(ValueError, match="batch_size must be 1 to 1024"):
+                list(client.search_batch([pb.SearchRequest(text="x")], batch_size=0))
+        assert calls == []
+    finally:
+        server.stop(None)
 
 
 def test_the_client_leaves_the_mode_to_the_server_unless_told(vec_server, vector_collection):
