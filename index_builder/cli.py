@@ -655,6 +655,10 @@ def cmd_prune(args) -> int:
         raise ValueError(f"--keep and --grace-s must be 0 or more, not {args.keep} and "
                          f"{args.grace_s:g}")
     store = CollectionStore(args.data_dir)
+    # staging directories of builds and compactions that were killed (`builds/.tmp-<id>`; the
+    # next build sweeps them too): prune removes them, as it says (outside QA: it neither
+    # removed nor mentioned them)
+    swept = _sweep_abandoned(store, args.collection, args.dry_run)
     if not store.builds(args.collection):
         print(f"collection {args.collection!r} has no builds under {args.data_dir}", file=sys.stderr)
         return 2
@@ -668,7 +672,7 @@ def cmd_prune(args) -> int:
     if alias.get("previous") and alias["previous"] not in builds:
         print(f"warning: the rollback target {alias['previous']} is gone", file=sys.stderr)
     plan = store.retention(args.collection, args.keep, args.grace_s)
-    freed, removed = 0, 0
+    freed, removed = swept, 0
     for build_id, kept, why in plan:
         if kept:
             print(f"  keep    {build_id}  ({why})")
@@ -685,6 +689,19 @@ def cmd_prune(args) -> int:
     print(f"{args.collection}: {removed} of {len(plan)} builds {'to remove' if args.dry_run else 'removed'}, "
           f"{verb} {freed / 1e6:.1f} MB")
     return 0
+
+
+def _sweep_abandoned(store, collection: str, dry_run: bool) -> int:
+    """Remove (or, `dry_run`, list) the staging directories whose builder is gone; their bytes."""
+    builds = store.collection_dir(collection) / "builds"
+    found = store.sweep_abandoned(collection, remove=False)
+    sizes = {name: sum(p.lstat().st_size for p in (builds / name).rglob("*") if p.is_file())
+             for name in found}
+    gone = found if dry_run else store.sweep_abandoned(collection)
+    for name in gone:
+        print(f"  {'would remove' if dry_run else 'removed'} {name}  (a build or compaction that "
+              f"did not finish, {sizes.get(name, 0) / 1e6:.1f} MB)")
+    return sum(sizes.get(name, 0) for name in gone)
 
 
 def cmd_demo_corpus(args) -> int:

@@ -901,3 +901,55 @@ def test_vectors_read_from_a_pipe_build_and_a_cut_file_is_refused_by_name(tmp_pa
     assert f"--vectors {cut}: not a numeric .npy array" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "data2" / "c").exists()
+
+
+def test_a_failed_build_leaves_no_directories_and_prune_removes_killed_builds_staging(tmp_path):
+    """Outside QA: a refused build (a NaN vector) left an empty DATA/<name>/builds/, and a
+    killed build's staging directory (`builds/.tmp-<id>` with its lock, which the kernel freed
+    when the builder died) was neither removed nor mentioned by prune. Now the failed build's
+    directories go, and prune removes (--dry-run: lists) staging whose builder is gone, never one
+    a live builder holds."""
+    import fcntl
+
+    import numpy as np
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(f'{{"id": "d{i}", "text": "doc {i}"}}\n' for i in range(3)))
+    vectors = np.eye(3, 8, dtype=np.float32)
+    np.save(tmp_path / "ok.npy", vectors)
+    vectors[1, 2] = np.nan
+    np.save(tmp_path / "nan.npy", vectors)
+    data = tmp_path / "data"
+
+    def build(collection, npy, *extra):
+        return cli("build", "--data-dir", data, "--collection", collection, "--corpus", corpus,
+                   "--factory", "Flat", "--quiet", "--model-id", "m", "--vectors", npy, *extra)
+
+    out = build("c", tmp_path / "nan.npy")
+    assert out.returncode == 2 and "NaN" in out.stderr
+    assert not data.exists()  # the data directory was made for it: gone too
+    out = build("c", tmp_path / "ok.npy", "--publish")
+    assert out.returncode == 0, out.stderr
+    out = build("other", tmp_path / "nan.npy")
+    assert out.returncode == 2 and sorted(p.name for p in data.iterdir()) == ["c"]
+
+    builds = data / "c" / "builds"
+    for name in ("dead", "live"):  # what a killed builder and a running one leave
+        (builds / f".tmp-{name}").mkdir()
+        (builds / f".tmp-{name}" / "index.faiss").write_bytes(b"\0" * 2_000_000)
+        (builds / f".tmp-{name}.lock").touch()
+    with open(builds / ".tmp-live.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        out = cli("prune", "--data-dir", data, "--collection", "c", "--dry-run")
+        assert out.returncode == 0, out.stderr
+        assert "would remove .tmp-dead  (a build or compaction that did not finish, 2.0 MB)" \
+            in out.stdout and ".tmp-live" not in out.stdout
+        assert (builds / ".tmp-dead" / "index.faiss").is_file()
+        out = cli("prune", "--data-dir", data, "--collection", "c")
+        assert out.returncode == 0, out.stderr
+        assert "removed .tmp-dead" in out.stdout and ".tmp-live" not in out.stdout
+        assert "freed 2.0 MB" in out.stdout
+        assert not (builds / ".tmp-dead").exists() and not (builds / ".tmp-dead.lock").exists()
+        assert (builds / ".tmp-live" / "index.faiss").is_file()
+    listing = cli("list", "--data-dir", data)
+    assert listing.returncode == 0 and re.match(r"c\n  \* \S+  Flat +3 chunks", listing.stdout)

@@ -270,13 +270,24 @@ class CollectionStore:
                     os.unlink(lock_path)
                 except FileNotFoundError:
                     pass
+        except BaseException:
+            # a build that failed (a NaN vector, too few training vectors) leaves no trace: the
+            # directories made for it go too, when nothing else is in them (outside QA: an
+            # empty DATA/<name>/builds/ after each refused build)
+            for path in reversed(made):
+                try:
+                    path.rmdir()
+                except OSError:  # not empty: another build's, or a concurrent builder's
+                    break
+            raise
         finally:
             os.close(fd)
 
-    def sweep_abandoned(self, name: str) -> list[str]:
+    def sweep_abandoned(self, name: str, remove: bool = True) -> list[str]:
         """Remove staging directories (`builds/.tmp-*`) whose builder is gone: its lock is free (a
         killed build or compaction) or it has none (left by an older release). A build in
-        progress holds its lock and is left alone. Returns what was removed."""
+        progress holds its lock and is left alone. Returns what was removed - or, `remove`
+        False, what would be (prune --dry-run), touching nothing."""
         builds = self.collection_dir(name) / "builds"
         removed = []
         if not builds.is_dir():
@@ -285,24 +296,30 @@ class CollectionStore:
             if not tmp.is_dir():
                 continue
             lock_path = builds / f"{tmp.name}.lock"
-            fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fd = os.open(lock_path, os.O_RDWR | (os.O_CREAT if remove else 0), 0o644)
+            except FileNotFoundError:  # no lock at all (only looked for when not removing)
+                removed.append(tmp.name)
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 continue  # a builder is writing it now
             try:
-                shutil.rmtree(tmp, ignore_errors=True)
+                if remove:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    log.warning("removed %s: a build or compaction that did not finish", tmp)
                 removed.append(tmp.name)
-                log.warning("removed %s: a build or compaction that did not finish", tmp)
             finally:
-                try:
-                    os.unlink(lock_path)
-                except FileNotFoundError:
-                    pass
+                if remove:
+                    try:
+                        os.unlink(lock_path)
+                    except FileNotFoundError:
+                        pass
                 os.close(fd)
-        for stale in builds.glob(".tmp-*.lock"):  # locks of builders that died before mkdir
-            if not (builds / stale.name[:-len(".lock")]).exists():
+        for stale in builds.glob(".tmp-*.lock") if remove else ():  # locks of builders that
+            if not (builds / stale.name[:-len(".lock")]).exists():  # died before mkdir
                 try:
                     if time.time() - stale.stat().st_mtime > 3600:
                         stale.unlink()
