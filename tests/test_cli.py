@@ -2,6 +2,7 @@
 progress), audit, publish, list; clear errors for bad input; a corrupted build fails at load
 naming the file."""
 import asyncio
+import fcntl
 import json
 import re
 import shutil
@@ -740,9 +741,13 @@ def test_prune_removes_old_builds_and_a_following_server_removes_their_state(tmp
         assert f"keep    {builds[2].build_id}  (the live build)" in out.stdout
         assert f"keep    {builds[1].build_id}  (the rollback target)" in out.stdout
         assert (tmp_path / "c" / "builds" / first.build_id).is_dir()  # a dry run removes nothing
-        (tmp_path / "c" / "builds" / ".tmp-being-built").mkdir()  # a build being written
+        (tmp_path / "c" / "builds" / ".tmp-being-built").mkdir()  # a build being written (its
         (tmp_path / "c" / "builds" / ".tmp-being-built" / "release.json").write_text("{}")
+        # builder holds the flock of its staging directory; one without is a killed build's)
+        being_built = open(tmp_path / "c" / "builds" / ".tmp-being-built.lock", "a")
+        fcntl.flock(being_built, fcntl.LOCK_EX)
         out = cli("prune", "--data-dir", tmp_path, "--collection", "c", "--keep", 0, "--grace-s", 0)
+        being_built.close()
         assert out.returncode == 0 and f"removed {first.build_id}" in out.stdout, out.stderr
         assert (tmp_path / "c" / "builds" / ".tmp-being-built").is_dir()  # not its to touch
         assert "1 of 3 builds removed" in out.stdout
@@ -909,8 +914,6 @@ def test_a_failed_build_leaves_no_directories_and_prune_removes_killed_builds_st
     when the builder died) was neither removed nor mentioned by prune. Now the failed build's
     directories go, and prune removes (--dry-run: lists) staging whose builder is gone, never one
     a live builder holds."""
-    import fcntl
-
     import numpy as np
 
     corpus = tmp_path / "c.jsonl"
