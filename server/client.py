@@ -221,27 +221,24 @@ def _check_timeout(value: float) -> float:
     return value
 
 
-def _batch_size(text: str) -> int:
-    """--batch-size: queries per SearchBatch call, 1 to the server's cap."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_BATCH_QUERIES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of queries from 1 to "
-                                         f"{MAX_BATCH_QUERIES}")
-    return value
+def _whole_number(of: str, most: Optional[int] = None):
+    """An argparse type: a whole number of `of` from 1 (to `most`, when given)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1 or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a whole number of {of} "
+                + (f"from 1 to {most}" if most is not None else ">= 1"))
+        return value
+    return parse
 
 
-def _top_k(text: str) -> int:
-    """--top-k: a positive whole number (the server states its own upper limit)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of hits >= 1")
-    return value
+# --top-k: the server states its own upper limit; --batch-size: up to the server's cap
+_top_k = _whole_number("hits")
+_batch_size = _whole_number("queries", MAX_BATCH_QUERIES)
 
 
 def _positive_seconds(text: str) -> float:
