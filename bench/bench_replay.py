@@ -13,7 +13,9 @@ Prints writes/s of each and their ratio, and the rows each shard ended with. Eac
 commit (tantivy's, SQLite's) waits on the disk, so the figures move with the host's I/O.
 Before a group stored a document once, a repeat split the group, so the rewrites log made one
 commit per few writes: 2,048 writes of 40 documents (8-d vectors, `--dim 8`) applied at
-2,208-2,482 writes/s, 14,126-14,289 after (the sixteenth session, docs/BENCHMARKS.md).
+2,208-2,482 writes/s, 14,126-14,289 after (the sixteenth session). Rows for every write that
+applies (so that replicas number rows alike, eighteenth session) took that to 7,824-7,851,
+against 9,251-9,301 for distinct documents in the same run (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 

@@ -609,10 +609,14 @@ class ShardIndex:
         """Apply writes in order as one group: one pending insert, one faiss add, one BM25 commit
         and one visibility flip. Idempotent: a version not above the stored one is a no-op that
         still counts as applied for the write-log position. A document written more than once
-        in the call is stored once, as the writes in order would leave it (its highest version,
-        the first of equal ones); each write's outcome is the one it would get in order.
-        (Outside QA: a document written twice split the call into groups, and a replica
-        replaying a log that kept rewriting a few dozen documents applied ~80 entries/s.)"""
+        in the call ends as the writes in order leave it, each write answered as in order, and
+        every write that applies in order takes its rows, even one a later write of the group
+        replaces (dead at the flip, never in BM25): a shard numbers its rows as its replicas do
+        however their writes were grouped - routers fetch by row from any replica (review: rows
+        given only to the surviving write shifted one replica's rows against a sibling's, whose
+        fetches then failed the chunk check and dropped hits). (Outside QA: a document written
+        twice split the call into groups, and a replica replaying a log that kept rewriting a
+        few documents applied ~80 entries/s.)"""
         if not writes:
             return []
         with self._write_mutex:
@@ -636,7 +640,6 @@ class ShardIndex:
         # the version rule in order: each write against what the ones before it left. `then`:
         # None for a write that applies, else the version it found stored (its no-op's answer)
         held = {key: version for key, (version, *_) in stored.items()}
-        stays: dict[tuple[str, str], ShardWrite] = {}  # per document, the write that stays
         then: list[Optional[int]] = []
         for w in writes:
             found = held.get(w.key)
@@ -645,8 +648,8 @@ class ShardIndex:
             else:
                 then.append(None)
                 held[w.key] = w.version
-                stays[w.key] = w
-        fresh = [w for w in writes if stays.get(w.key) is w]
+        fresh = [w for w, found in zip(writes, then) if found is None]  # applied, in order
+        last = {w.key: w for w in fresh}  # per document, the write that stays
         records: list[ChunkRecord] = []
         versions: list[int] = []
         new_rows: dict[int, list[int]] = {}
@@ -670,8 +673,10 @@ class ShardIndex:
                 rows.append(row)
                 row += 1
             new_rows[id(w)] = rows
-        # the rows these writes retire (the writer mutex is held: the flip will find the same)
-        retiring = self.store.live_rows_of([w.key for w in fresh])
+        # the rows these writes retire (the writer mutex is held: the flip will find the same),
+        # and those of writes a later one of this group replaces: dead as the flip ends
+        retiring = self.store.live_rows_of(list(last))
+        replaced = {r for w in fresh if last[w.key] is not w for r in new_rows.get(id(w), ())}
         if records:
             x = np.vstack([w.vectors for w in fresh if id(w) in new_rows]).astype(np.float32)
             self.store.insert_pending(records, versions, x)  # durable, invisible
@@ -690,7 +695,7 @@ class ShardIndex:
         try:
             if records or retiring:
                 self.lexical.stage(((r.row, r.title, r.text, r.tenant, r.metadata, r.acl)
-                                    for r in records), retiring)
+                                    for r in records if r.row not in replaced), retiring)
             crash_point("after_lexical")
             entries = [FlipEntry(w.op, w.tenant, w.doc_id, w.version, new_rows.get(id(w), []),
                                  w.body, [(c.index, c.start, c.end, c.text) for c in w.chunks],
@@ -751,23 +756,21 @@ class ShardIndex:
                 self._lexical_unsettled = True
             raise
         crash_point("after_flip")
-        unexpected = sorted(set(dead_rows) - set(retiring))
+        unexpected = sorted(set(dead_rows) - set(retiring) - replaced)
         # the write has applied: what follows is redone later (purges at load, BM25 checked by
         # the next write), so its failure is logged, never answered as the write's (review: a
         # full disk here made an applied write answer RESOURCE_EXHAUSTED, and its retry NOOP)
         if unexpected:  # the flip retired rows the staged commit did not delete (never expected)
             self._after_flip(lambda: self.lexical.delete_rows(unexpected))
-        last = next((e for e, d in zip(reversed(entries), reversed(deads)) if d is not None), None)
-        if last is not None:  # after the store's commit, never before it
-            self._after_flip(lambda: record_committed(self.state_dir, last.tenant, last.doc_id,
-                                                      last.version))
+        newest = next((e for e, d in zip(reversed(entries), reversed(deads)) if d is not None),
+                      None)
+        if newest is not None:  # after the store's commit, never before it
+            self._after_flip(lambda: record_committed(self.state_dir, newest.tenant,
+                                                      newest.doc_id, newest.version))
         self._after_flip(lambda: self.store.mark_purged(dead_rows))
         self._after_flip(lambda: self.check_lexical("after a write"))
-        # a write that applied in order and was replaced in this group by a later version of its
-        # document applied too (as it would have, in a group of its own, before its successor)
-        flipped = {w.key for w, d in zip(fresh, deads) if d is not None}
-        return [WriteOutcome("applied", w.version, self.index_version, w.seq)
-                if found is None and w.key in flipped
+        applied = {id(w) for w, d in zip(fresh, deads) if d is not None}
+        return [WriteOutcome("applied", w.version, self.index_version, w.seq) if id(w) in applied
                 else WriteOutcome("noop", found if found is not None
                                   else stored.get(w.key, (w.version,))[0], self.index_version, w.seq)
                 for w, found in zip(writes, then)]
