@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import textwrap
 import time
@@ -40,21 +41,23 @@ MAX_ANSWER_BYTES = 64 * 1024 * 1024
 # these retries wait: a caller that must ride that out retries itself. Writes are not
 # (a write answered UNAVAILABLE by a router may have been logged: the caller decides, see
 # WriteResponse); gRPC retries only calls the server answered without a reply's headers.
-# A SearchBatch refused for load (admission control's RESOURCE_EXHAUSTED: "retry with backoff")
-# is retried too, up to 5 attempts, 0.2-2 s apart with gRPC's jitter, one attempt at a time: bulk
-# work waits for room (outside QA: a file of queries failed on the first refusal). A single
-# Search is not: its caller holds a latency budget and decides. An answer over the client's
-# message limit is RESOURCE_EXHAUSTED too, but it comes after the reply's headers, so gRPC
-# never retries it (SearchClient splits that batch instead).
+# SearchBatch is retried by SearchClient itself (BATCH_ATTEMPTS), not by gRPC: gRPC buffers at
+# most 256 KiB of a call for retries, and a batch of 1,024 queries with their vectors is larger,
+# so gRPC sent it once (review).
 _SEARCH_SERVICE = pb.DESCRIPTOR.services_by_name["SearchService"].full_name
 RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [
     {"name": [{"service": _SEARCH_SERVICE, "method": "Search"}],
      "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s",
-                     "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}},
-    {"name": [{"service": _SEARCH_SERVICE, "method": "SearchBatch"}],
-     "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s",
-                     "backoffMultiplier": 2,
-                     "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]}}]})
+                     "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})
+# A SearchBatch answered UNAVAILABLE (a server draining or starting) or refused for load
+# (admission control's RESOURCE_EXHAUSTED: "retry with backoff") is sent again, up to 5
+# attempts, 0.2-2 s apart (jittered), one attempt at a time, all within the call's deadline:
+# bulk work waits for room (outside QA: a file of queries failed on the first refusal). A
+# search is a read, so sending it again is safe. A single Search is not retried for load: its
+# caller holds a latency budget and decides. A message over a size limit is RESOURCE_EXHAUSTED
+# too, and is never retried as it was: the batch is split instead.
+BATCH_ATTEMPTS = 5
+BATCH_BACKOFF_S = (0.2, 2.0)  # first, most
 # the longest deadline a call may carry: gRPC takes one of ~1e10 s or more (or inf) for a
 # deadline already past, and fails the call at once with DEADLINE_EXCEEDED (outside QA)
 MAX_TIMEOUT_S = 86400.0
@@ -63,8 +66,7 @@ MAX_TIMEOUT_S = 86400.0
 def open_channel(address: str, tls_ca: Optional[Path] = None, tls_cert: Optional[Path] = None,
                  tls_key: Optional[Path] = None, max_answer_bytes: int = MAX_ANSWER_BYTES) -> grpc.Channel:
     """A channel to `address`: TLS when a CA (or a client certificate, for mutual TLS) is given;
-    searches answered UNAVAILABLE, and batches refused for load, are retried
-    (RETRY_SERVICE_CONFIG)."""
+    searches answered UNAVAILABLE are retried (RETRY_SERVICE_CONFIG)."""
     options = [("grpc.max_receive_message_length", max_answer_bytes),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.enable_retries", 1), ("grpc.service_config", RETRY_SERVICE_CONFIG)]
@@ -161,8 +163,8 @@ class SearchClient:
         call's deadline (default: the client's, or 50 ms per query of the call if longer). A call
         that fails as a whole raises grpc.RpcError - or, `per_query_errors`, answers each of its
         queries with that call's status (`call_failed`) and the next calls are still made, so the
-        answers always line up with the requests. A call refused for load is retried with
-        backoff first (RETRY_SERVICE_CONFIG). A generator: `requests` is read, and each call
+        answers always line up with the requests. A call answered UNAVAILABLE or refused for
+        load is sent again first (BATCH_ATTEMPTS). A generator: `requests` is read, and each call
         made, as the answers are iterated (a file of queries streams through), so iterate it
         while the client is open - `list(...)` for all at once."""
         if not 1 <= batch_size <= MAX_BATCH_QUERIES:
@@ -190,19 +192,37 @@ class SearchClient:
 
     def _batch(self, chunk: list[pb.SearchRequest], timeout: Optional[float]) -> list[BatchResult]:
         try:
-            resp = self.stub.SearchBatch(
-                pb.SearchBatchRequest(queries=chunk), metadata=self.metadata,
-                timeout=self._timeout(timeout, max(self.timeout, 0.05 * len(chunk))))
+            resp = self._send_batch(chunk, timeout)
         except grpc.RpcError as err:
-            # an answer over the message limit: the same queries in two calls. Only that: a
-            # server that refuses for load (RESOURCE_EXHAUSTED too) asks for a retry with
-            # backoff, and twice the calls at once would be the opposite
+            # a message over a size limit: the same queries in two calls. Only that: a server
+            # that refuses for load (RESOURCE_EXHAUSTED too) asks for a retry with backoff, and
+            # twice the calls at once would be the opposite
             if not _over_message_limit(err) or len(chunk) == 1:
                 raise
             half = len(chunk) // 2
             return self._batch(chunk[:half], timeout) + self._batch(chunk[half:], timeout)
         return [BatchResult(_CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.message,
                             item.response if item.code == 0 else None) for item in resp.results]
+
+    def _send_batch(self, chunk: list[pb.SearchRequest],
+                    timeout: Optional[float]) -> pb.SearchBatchResponse:
+        """One SearchBatch, sent again (BATCH_ATTEMPTS) while the server is unavailable or
+        refuses for load and the deadline leaves room for the wait."""
+        request_ = pb.SearchBatchRequest(queries=chunk)
+        deadline = time.monotonic() + self._timeout(timeout, max(self.timeout, 0.05 * len(chunk)))
+        backoff = BATCH_BACKOFF_S[0]
+        for attempt in range(1, BATCH_ATTEMPTS + 1):
+            try:
+                return self.stub.SearchBatch(request_, metadata=self.metadata,
+                                             timeout=max(deadline - time.monotonic(), 0.001))
+            except grpc.RpcError as err:
+                wait = backoff * random.uniform(0.5, 1.0)
+                if (attempt == BATCH_ATTEMPTS or not _worth_another_attempt(err)
+                        or time.monotonic() + wait >= deadline):
+                    raise
+                time.sleep(wait)
+                backoff = min(backoff * 2, BATCH_BACKOFF_S[1])
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self.channel.close()
@@ -247,6 +267,12 @@ def _positive_seconds(text: str) -> float:
         return _check_timeout(float(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _worth_another_attempt(err: grpc.RpcError) -> bool:
+    """A server draining or starting, or one that refused for load: not a message too large."""
+    return (err.code() == grpc.StatusCode.UNAVAILABLE
+            or err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not _over_message_limit(err))
 
 
 def _over_message_limit(err: grpc.RpcError) -> bool:

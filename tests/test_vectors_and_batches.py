@@ -524,11 +524,12 @@ def test_a_batch_whose_answer_is_over_the_message_limit_is_split_not_failed(vec_
 def test_a_batch_refused_for_load_is_retried_whole_with_backoff_not_split():
     """Regression (outside QA): the client split a batch in halves on any RESOURCE_EXHAUSTED, so
     a server refusing for load ("retry with backoff") got 73 calls at once for 10 batches of
-    64. Only gRPC's own message-size refusal splits. A refusal for load is retried as asked -
-    the same 64 queries, one attempt at a time, 5 attempts at most - so a server that has room
-    again answers them (outside QA: a file of queries failed on the first refusal). The peer is
-    a real gRPC server that refuses SearchBatch as an overloaded search server does, `refusals`
-    times, then answers."""
+    64. Only gRPC's own message-size refusal splits. A refusal for load (or UNAVAILABLE, a server
+    draining) is retried as asked - the same queries, one attempt at a time, 5 attempts at most
+    - so a server that has room again answers them (outside QA: a file of queries failed on the
+    first refusal). The batch is a full one with its vectors, 1.6 MB: gRPC's own retries buffer
+    256 KiB of a call and sent a larger one once (review). The peer is a real gRPC server that
+    refuses SearchBatch as an overloaded search server does, `refusals` times, then answers."""
     import threading
     from concurrent import futures
 
@@ -538,6 +539,7 @@ def test_a_batch_refused_for_load_is_retried_whole_with_backoff_not_split():
 
     class Overloaded(pb_grpc.SearchServiceServicer):
         refusals = 0
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
         def SearchBatch(self, req, context):
             with lock:
@@ -546,8 +548,7 @@ def test_a_batch_refused_for_load_is_retried_whole_with_backoff_not_split():
                 at_once[1] = max(at_once)
             try:
                 if len(calls) <= self.refusals:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  "1 requests in flight (limit 1); retry with backoff")
+                    context.abort(self.code, "1 requests in flight (limit 1); retry with backoff")
                 return pb.SearchBatchResponse(results=[
                     pb.SearchBatchItem(response=pb.SearchResponse(build_id=q.collection))
                     for q in req.queries])
@@ -561,19 +562,27 @@ def test_a_batch_refused_for_load_is_retried_whole_with_backoff_not_split():
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        reqs = [request(collection=f"c{i}", vector=[1.0] * DIM, model_id=MODEL) for i in range(64)]
+        reqs = [request(collection=f"c{i}", vector=[1.0] * 384, model_id=MODEL)
+                for i in range(1024)]
+        assert pb.SearchBatchRequest(queries=reqs).ByteSize() > 1_500_000
         with SearchClient(f"127.0.0.1:{port}") as client:
             servicer.refusals = 10**6  # refused for good: the caller hears it after 5 attempts
             with pytest.raises(grpc.RpcError) as err:
                 list(client.search_batch(reqs, timeout=30))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "backoff" in err.value.details()
-            assert calls == [64] * 5 and at_once[1] == 1
+            assert calls == [1024] * 5 and at_once[1] == 1
+            for code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                calls.clear()
+                servicer.refusals, servicer.code = 2, code  # room again after two refusals
+                answers = list(client.search_batch(reqs, timeout=30))
+                assert calls == [1024] * 3 and at_once[1] == 1, code
+                assert [a.response.build_id for a in answers] == [f"c{i}" for i in range(1024)]
             calls.clear()
-            servicer.refusals = 2  # room again after two refusals: every query answers
-            answers = list(client.search_batch(reqs, timeout=30))
-            assert calls == [64] * 3 and at_once[1] == 1
-            assert [a.response.build_id for a in answers] == [f"c{i}" for i in range(64)]
+            servicer.refusals = 10**6  # a deadline too short for the next wait: no more attempts
+            with pytest.raises(grpc.RpcError):
+                list(client.search_batch(reqs, timeout=0.25))
+            assert 1 <= len(calls) <= 2
             with pytest.raises(ValueError, match="positive"):
                 client.search("x", collection="vec", timeout=0)
     finally:
