@@ -101,6 +101,30 @@ def front_ends(engine_pid: int) -> list[str]:
     return subprocess.run(["pgrep", "-P", str(engine_pid)], capture_output=True, text=True).stdout.split()
 
 
+def test_collection_stats_through_a_front_end_survive_an_engine_that_hangs(workers):
+    """CollectionStats reaches the shards through the engine; an engine that does not answer
+    (stopped: its socket takes the call, nothing answers) is given up just before the caller's
+    deadline and each shard listed unreachable, as a hung remote shard is (review: the link's
+    own TimeoutError reached the caller as INTERNAL)."""
+    proc, port, _ = workers
+    admin = pb_grpc.AdminServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    whole = admin.CollectionStats(pb.CollectionStatsRequest(collection="cran"), timeout=30)
+    shards = {r.shard for r in whole.replicas}
+    assert not whole.shard_errors and whole.chunks > 0 and shards
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        hung = admin.CollectionStats(pb.CollectionStatsRequest(collection="cran"), timeout=3)
+        assert time.monotonic() - t0 < 3
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert len(hung.shard_errors) == len(shards), hung
+    assert all("the engine process did not answer ShardInfo" in e for e in hung.shard_errors)
+    assert hung.chunks == 0 and {r.state for r in hung.replicas} <= {"unreachable"}
+    again = admin.CollectionStats(pb.CollectionStatsRequest(collection="cran"), timeout=30)
+    assert not again.shard_errors and again.chunks == whole.chunks
+
+
 def test_a_front_end_that_dies_is_started_again(workers):
     """Regression (outside QA): a front end killed or crashed was never noticed: the engine ran
     on with fewer (a zombie left), or with none and the port closed."""

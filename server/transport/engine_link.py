@@ -35,7 +35,7 @@ from server.config import ServerConfig
 from server.core.chunking import shard_of
 from server.core.registry import LoadedCollection
 from server.core.types import FetchRequest, ShardQuery, ShardWrite
-from server.errors import SearchError, Unavailable
+from server.errors import SearchError, ShardUnreachable, Unavailable
 
 log = logging.getLogger(__name__)
 _LEN = struct.Struct("!I")
@@ -91,12 +91,15 @@ class EngineServer:
                     return await live.shards[shard_no].apply(writes, timeout)
                 return await _apply_to_live(live, build_id, writes, timeout)
         if op == "info":
-            collection, shard_no, tenant, digest = args
+            collection, shard_no, tenant, digest, timeout = args
             shards = core.registry.get(collection).shards
             if shard_no >= len(shards):  # a front end a switch to fewer shards has not reached
                 raise Unavailable(f"collection {collection!r} has switched to a build of "
                                   f"{len(shards)} shards: ask again")
-            return await shards[shard_no].info(tenant, digest)
+            # the front end's limit, less a margin for the answer's way back (a replica set
+            # here reports each replica's state before the front end gives the engine up)
+            limit = {} if timeout is None else {"timeout": timeout * 0.9}
+            return await shards[shard_no].info(tenant, digest, **limit)
         if op == "collections":
             return [c.desc.to_json() for c in core.registry]
         if op == "unloadable":  # collections whose build failed to load, and why
@@ -379,8 +382,15 @@ class EngineShard:
 
     async def info(self, tenant: Optional[str] = None, digest: bool = False,
                    timeout: Optional[float] = None):
-        return await self.client.call("info", self.collection, self.shard_no, tenant, digest,
-                                      timeout=timeout)
+        """The engine's ShardInfo of this shard; an engine that does not answer within `timeout`
+        is this shard unreachable, as a hung remote shard is (review: the link's own TimeoutError
+        reached the caller as INTERNAL, where CollectionStats lists the shard and goes on)."""
+        try:
+            return await self.client.call("info", self.collection, self.shard_no, tenant, digest,
+                                          timeout, timeout=timeout)
+        except asyncio.TimeoutError:
+            raise ShardUnreachable(f"shard {self.shard_no}: the engine process did not answer "
+                                   f"ShardInfo within {timeout:.1f} s") from None
 
     async def close(self) -> None:
         pass  # the client is closed by the front end
