@@ -21,7 +21,16 @@ from typing import Optional
 
 from server.config import optional_path
 
-DATA_DIR_DEFAULT = Path(os.environ.get("SEARCH_DATA_DIR", "data"))
+DATA_DIR_DEFAULT = os.environ.get("SEARCH_DATA_DIR", "data")  # a string: argparse checks it
+
+
+def _data_dir(text: str) -> Path:
+    """--data-dir (or $SEARCH_DATA_DIR): not empty, which Path() reads as the current directory
+    (review: the server refuses it, the builder wrote its collections there)."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty (leave it, and $SEARCH_DATA_DIR, out for "
+                                         "./data)")
+    return Path(text)
 
 
 def _positive_int(text: str) -> int:
@@ -60,7 +69,7 @@ def _fraction(text: str) -> float:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT,
+    p.add_argument("--data-dir", type=_data_dir, default=DATA_DIR_DEFAULT,
                    help="root of the collections (default: ./data or $SEARCH_DATA_DIR)")
     p.add_argument("--collection", required=True, help="collection name")
 
@@ -176,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(a file missing or of another size than recorded; with "
                                     "--verify, or whose sha256 differs) or the alias names one "
                                     "that is gone.")
-    ls.add_argument("--data-dir", type=Path, default=DATA_DIR_DEFAULT,
+    ls.add_argument("--data-dir", type=_data_dir, default=DATA_DIR_DEFAULT,
                     help="root of the collections (default: ./data or $SEARCH_DATA_DIR)")
     ls.add_argument("--collection", default=None, help="only this collection (default: all)")
     ls.add_argument("--verify", action="store_true",
@@ -695,8 +704,12 @@ def _sweep_abandoned(store, collection: str, dry_run: bool) -> int:
     """Remove (or, `dry_run`, list) the staging directories whose builder is gone; their bytes."""
     builds = store.collection_dir(collection) / "builds"
     found = store.sweep_abandoned(collection, remove=False)
-    sizes = {name: sum(p.lstat().st_size for p in (builds / name).rglob("*") if p.is_file())
-             for name in found}
+    sizes = {}
+    for name in found:
+        try:
+            sizes[name] = sum(p.lstat().st_size for p in (builds / name).rglob("*") if p.is_file())
+        except FileNotFoundError:  # a concurrent build's sweep removed it meanwhile
+            sizes[name] = 0
     gone = found if dry_run else store.sweep_abandoned(collection)
     for name in gone:
         print(f"  {'would remove' if dry_run else 'removed'} {name}  (a build or compaction that "

@@ -1049,3 +1049,27 @@ def test_a_build_id_reused_after_a_prune_is_refused_not_served_over_the_earlier_
     publish_build(tmp_path, "c", cranfield_docs[20:40], tiny_embedder, build_id="same")  # allows it)
     with pytest.raises(IndexCorruptError, match="belongs to an earlier build also named same"):
         start_core_server(tmp_path, tiny_embedder)
+
+
+def test_a_build_whose_directories_a_failing_first_build_removes_goes_on(tmp_path):
+    """Review: two first builds of one collection - A fails and removes the empty directories
+    made for it while B is between making them and opening its lock file there: B failed with
+    FileNotFoundError. B makes them again and builds. (The interleaving is forced: A's clean-up
+    runs inside B's sweep of abandoned staging, the step between the two.)"""
+    from server.core.collection import CollectionStore
+
+    class RacedByA(CollectionStore):
+        raced = False
+
+        def sweep_abandoned(self, name, remove=True):
+            if not self.raced:  # A's failure clean-up, at the worst moment for B
+                self.raced = True
+                (self.collection_dir(name) / "builds").rmdir()
+                self.collection_dir(name).rmdir()
+            return super().sweep_abandoned(name, remove)
+
+    store = RacedByA(tmp_path)
+    with store.staging("c", "b1") as tmp:
+        (tmp / "release.json").write_text("{}")
+    assert store.raced and (tmp_path / "c" / "builds" / "b1" / "release.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "c" / "builds").iterdir()) == ["b1"]

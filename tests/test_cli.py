@@ -956,3 +956,24 @@ def test_a_failed_build_leaves_no_directories_and_prune_removes_killed_builds_st
         assert (builds / ".tmp-live" / "index.faiss").is_file()
     listing = cli("list", "--data-dir", data)
     assert listing.returncode == 0 and re.match(r"c\n  \* \S+  Flat +3 chunks", listing.stdout)
+
+
+def test_an_empty_data_dir_is_refused_not_read_as_the_current_directory(tmp_path):
+    """Review: `--data-dir ""` (or an empty $SEARCH_DATA_DIR, a template's unset variable) was
+    Path(""), the current directory, where the builder wrote its collections; the server
+    refuses it. Each is refused naming the flag, and nothing is written."""
+    import os
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "text": "x"}\n')
+    for argv, env in ((["build", "--data-dir", ""], {}), (["build"], {"SEARCH_DATA_DIR": ""}),
+                      (["list", "--data-dir", ""], {})):
+        if argv[0] == "build":
+            argv = [*argv, "--collection", "c", "--corpus", str(corpus), "--factory", "Flat",
+                    "--model-id", "m", "--quiet"]
+        proc = subprocess.run([sys.executable, "-m", "index_builder.cli", *argv], cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (argv, env, proc.stderr)
+        assert "argument --data-dir: is empty" in proc.stderr, (argv, env, proc.stderr)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
