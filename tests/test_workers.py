@@ -340,7 +340,7 @@ def test_a_write_routed_for_the_build_before_a_switch_lands_where_the_live_build
         assert not any(s.index.store.documents_of([("default", "other-model")]) for s in coll.shards)
         if after < before:  # a stale front end's description of a shard that is gone
             with pytest.raises(Unavailable, match="switched to a build of 2 shards"):
-                run(engine._handle("info", ("sw", before - 1, None, False)))
+                run(engine._handle("info", ("sw", before - 1, None, False, None)))
     finally:
         srv.stop()
 
