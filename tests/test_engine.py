@@ -1333,6 +1333,9 @@ def test_a_document_written_several_times_in_one_group_ends_as_the_writes_in_ord
         assert [(o.outcome, o.stored_version) for o in out] == expected
         assert together.index_version == v0 + 1                      # one flip
         one_by_one = [alone.apply_writes([w])[0] for w in writes]
+        twice = write("upsert", "twice", 1, 0, "zyxtwice")  # one object sent twice in a call
+        assert [o.outcome for o in together.apply_writes([twice, twice])] == ["applied", "noop"]
+        assert [o.outcome for o in alone.apply_writes([twice])] == ["applied"]
         assert [(o.outcome, o.stored_version) for o in one_by_one] == expected
         for index in (together, alone):
             assert index.applied_seq == 8

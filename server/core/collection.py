@@ -244,12 +244,12 @@ class CollectionStore:
         lock_path = builds / f".tmp-{build_id}.lock"
         for attempt in range(3):
             made = [p for p in (self.data_dir, builds.parent, builds) if not p.exists()]
-            builds.mkdir(parents=True, exist_ok=True)
-            for path in made:  # a strict umask (077) made them owner-only: another user's
-                readable_by_all(path, recursive=False)  # server could not reach the builds
-                # inside (an existing directory keeps the mode its owner gave it)
-            self.sweep_abandoned(name)
             try:
+                builds.mkdir(parents=True, exist_ok=True)
+                for path in made:  # a strict umask (077) made them owner-only: another user's
+                    readable_by_all(path, recursive=False)  # server could not reach the builds
+                    # inside (an existing directory keeps the mode its owner gave it)
+                self.sweep_abandoned(name)
                 fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
                 break
             except FileNotFoundError:  # a concurrent first build of this collection failed and

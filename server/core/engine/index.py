@@ -770,7 +770,8 @@ class ShardIndex:
         self._after_flip(lambda: self.store.mark_purged(dead_rows))
         self._after_flip(lambda: self.check_lexical("after a write"))
         applied = {id(w) for w, d in zip(fresh, deads) if d is not None}
-        return [WriteOutcome("applied", w.version, self.index_version, w.seq) if id(w) in applied
+        return [WriteOutcome("applied", w.version, self.index_version, w.seq)
+                if found is None and id(w) in applied  # (one object sent twice: a no-op twice)
                 else WriteOutcome("noop", found if found is not None
                                   else stored.get(w.key, (w.version,))[0], self.index_version, w.seq)
                 for w, found in zip(writes, then)]
