@@ -303,7 +303,8 @@ class CollectionStore:
                 continue
             lock_path = builds / f"{tmp.name}.lock"
             try:
-                fd = os.open(lock_path, os.O_RDWR | (os.O_CREAT if remove else 0), 0o644)
+                # (read-only to look: a dry run by another user than the builder's may)
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT if remove else os.O_RDONLY, 0o644)
             except FileNotFoundError:  # no lock at all (only looked for when not removing)
                 removed.append(tmp.name)
                 continue
