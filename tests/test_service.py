@@ -324,3 +324,13 @@ def test_a_logged_write_with_a_nul_in_its_metadata_still_applies(small_collectio
     validate_shard_write(logged, desc)  # applies
     with pytest.raises(InvalidArgument, match="NUL"):
         validate_write(WriteRequest("upsert", "cran", "d", 2, "text", "", {"p": "a\x00b"}))
+
+
+def test_the_fault_counters_of_every_shard_are_exported_at_zero_from_the_start(stub):
+    """Outside QA: search_fetch_mismatches_total had no sample until its first increment, so an
+    alert on its increase saw "no data", not 0. Each served shard's fault counters exist from
+    the collection's load (the server runs in this process: its metrics are this registry's)."""
+    from prometheus_client import REGISTRY
+
+    for name in ("search_fetch_mismatches_total", "search_lexical_repaired_rows_total"):
+        assert REGISTRY.get_sample_value(name, {"collection": "cran", "shard": "1"}) is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+from server.core import metrics
 from server.core.collection import ReleaseDescriptor, check_name
 from server.core.shard_api import Shard
 from server.errors import FailedPrecondition, NotFound, Unavailable
@@ -53,6 +54,10 @@ class CollectionRegistry:
                                      f"{loaded.desc.shards} shards; got {len(loaded.shards)}")
         self._by_name[loaded.name] = loaded
         self._unloadable.pop(loaded.name, None)
+        for shard in loaded.shards:  # each shard's fault counters exported from the start, at
+            # 0: an alert on their increase sees 0, not "no data" (outside QA)
+            for counter in (metrics.FETCH_MISMATCHES, metrics.LEXICAL_REPAIRS):
+                counter.labels(loaded.name, str(shard.shard_no))
 
     def mark_unloadable(self, name: str, why: str) -> None:
         """`name` is not served (its entry, if any, is dropped); `get` answers UNAVAILABLE with
