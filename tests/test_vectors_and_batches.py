@@ -2,6 +2,7 @@
 precomputed embeddings answers exactly what faiss answers on those vectors; writes carry their own
 chunk vectors; vectors of another model, dimension or with NaN are refused and change nothing;
 SearchBatch answers every query in its slot, invalid ones alone failing."""
+import asyncio
 import json
 import subprocess
 import sys
@@ -200,6 +201,47 @@ def test_search_batch_answers_each_query_in_its_slot(vec_server, vector_collecti
             single = stub.Search(queries[i], timeout=10)
             assert item.code == 0
             assert [h.chunk_id for h in item.response.hits] == [h.chunk_id for h in single.hits]
+
+
+def test_a_batch_finishes_its_queries_in_place_with_the_pages_the_full_path_assembles(
+        vec_server, vector_collection):
+    """A query whose page needs no fetch, rerank or budget is finished where its batch settles,
+    not in a task of its own (a SearchBatch of 1,000 made 1,000 tasks on the event loop); its
+    page is the one the full path assembles - the same query traced, whose shards ship no texts,
+    so every hit is fetched and assembled there."""
+    srv, stub = vec_server
+    q = vector_collection[3]
+    queries = [vreq(v) for v in q[:16]]
+    queries += [pb.SearchRequest(collection="vec", top_k=5, mode=pb.LEXICAL,
+                                 text=f"vector document zyxvec{i}") for i in (5, 77, 900)]
+    queries += [pb.SearchRequest(collection="vec", top_k=5, mode=pb.HYBRID, text="zyxvec12 number",
+                                 vector=vreq(q[20]).vector)]
+    created = []
+
+    def counting(loop, coro, **kw):
+        created.append(getattr(coro, "__qualname__", ""))
+        return asyncio.Task(coro, loop=loop, **kw)
+
+    srv.loop.call_soon_threadsafe(srv.loop.set_task_factory, counting)
+    try:
+        plain = stub.SearchBatch(pb.SearchBatchRequest(queries=queries), timeout=30).results
+    finally:
+        srv.loop.call_soon_threadsafe(srv.loop.set_task_factory, None)
+    traced = [pb.SearchRequest() for _ in queries]
+    for t, r in zip(traced, queries):
+        t.CopyFrom(r)
+        t.include_trace = True
+    full = stub.SearchBatch(pb.SearchBatchRequest(queries=traced), timeout=30).results
+
+    def page(item):
+        assert item.code == 0, item.message
+        return [(h.chunk_id, h.doc_id, h.text, round(h.score, 6), h.dense.rank, h.lexical.rank,
+                 h.fused.rank) for h in item.response.hits]
+
+    for a, b in zip(plain, full):
+        assert page(a) and page(a) == page(b)
+    assert not [c for c in created if c.endswith("._finish")], created
+    assert len(created) < len(queries), created  # was one task per query, and more
 
 
 @pytest.mark.parametrize("chunk, messages", [(4, 4), (0, 1)])

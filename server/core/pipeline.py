@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -232,7 +232,9 @@ class QueryPipeline:
                     self._wants_dense_feedback(st) or self._wants_expansion(st)):
                 st.notes.append("feedback skipped: the first round was partial")
         await self._feedback_rounds(states, tenant, acl_scopes, deadline, t)
-        await gather([self._finish(st, tenant, acl_scopes, deadline) for st in states if st.live])
+        later = [st for st in states if st.live and not self._finish_now(st, tenant, acl_scopes)]
+        if later:
+            await gather([self._finish(st, tenant, acl_scopes, deadline) for st in later])
         total = (time.perf_counter() - t_start) * 1e3
         out = []
         for st in states:
@@ -696,6 +698,36 @@ class QueryPipeline:
         except Exception as exc:  # this query fails alone; the batch's others answer
             st.error = self._internal(st, "finish", exc)
 
+    def _finish_now(self, st: _Query, tenant: str, acl_scopes: tuple) -> bool:
+        """Finish the common query in place, awaiting nothing: no rerank, token budget or trace,
+        every hit its page reads already carrying its text (shards ship texts for the window), and
+        nothing deeper to read. The page is the one `_finish_one` assembles for it, without a
+        task and two coroutines per query (1,000 of each for a SearchBatch of 1,000, all on the
+        event loop). False when the query needs the full path, which starts over: nothing of
+        this attempt is kept."""
+        q = st.q
+        if q.rerank_depth or q.context_token_budget or q.include_trace:
+            return False
+        try:
+            t = time.perf_counter()
+            a = ContextAssembler(q.top_k, tenant, 0, self.config.dedupe, acl_scopes)
+            offer = a.offer
+            for h in self._ranked(st, SCORE_KINDS.get(st.coll.desc.metric, "inner_product")):
+                if a.full:
+                    break
+                if h.candidate.record.text is None:
+                    return False  # its text is read by row: the full path fetches it
+                offer(h)
+            if self._can_deepen(st, a):
+                return False
+            self._stamp(st, "assembly", t)
+            st.result = self._result(st, a)
+        except SearchError as exc:
+            st.error = exc
+        except Exception as exc:  # this query fails alone; the batch's others answer
+            st.error = self._internal(st, "finish", exc)
+        return True
+
     @staticmethod
     def _internal(st: _Query, stage: str, exc: Exception) -> Internal:
         log.error("query on %s failed in %s", st.q.collection, stage, exc_info=exc)
@@ -735,6 +767,11 @@ class QueryPipeline:
             ranked = pre_rerank = self._ranking(st, dense_kind)
             a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
         self._stamp(st, "assembly", t)
+        return self._result(st, a, pre_rerank, ranked)
+
+    def _result(self, st: _Query, a: ContextAssembler, pre_rerank=(), ranked=()) -> SearchResult:
+        """The answer of an assembled page, kept in the retrieval cache unless degraded."""
+        q, desc = st.q, st.coll.desc
         if q.context_token_budget and not a.selected and a.dropped:  # (outside QA: an empty
             read = len(a.selected) + len(a.dropped)                   # page, and no word why)
             st.notes.append(f"the token budget of {q.context_token_budget} fit none of the "
@@ -751,24 +788,30 @@ class QueryPipeline:
                 self._cache.popitem(last=False)
         return result
 
-    @staticmethod
-    def _ranking(st: _Query, dense_kind: str) -> list[RankedHit]:
+    @classmethod
+    def _ranking(cls, st: _Query, dense_kind: str) -> list[RankedHit]:
         """The query's ranking: the fused list of a hybrid query (each hit with its ranks in
         both retrievers' lists), else the single retriever's list, its rank the position."""
+        return list(cls._ranked(st, dense_kind))
+
+    @staticmethod
+    def _ranked(st: _Query, dense_kind: str) -> Iterator[RankedHit]:
+        """`_ranking`, one hit at a time: a page that fills early makes no more of them."""
         if st.mode == "hybrid":
             dense_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.dense)}
             lex_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.lexical)}
             by_id = {c.chunk_id: c for c in st.lexical}
             by_id.update({c.chunk_id: c for c in st.dense})
             kind = "minmax" if st.q.fusion == "minmax" else "rrf"
-            return [RankedHit(by_id[cid], s, kind, dense_pos.get(cid), lex_pos.get(cid), (i + 1, s),
-                              fused_kind=kind)
-                    for i, (cid, s) in enumerate(st.fused)]
-        if st.mode == "dense":
-            return [RankedHit(c, c.score, dense_kind, (i, c.score))
-                    for i, c in enumerate(st.dense, 1)]
-        return [RankedHit(c, c.score, "bm25", None, (i, c.score))
-                for i, c in enumerate(st.lexical, 1)]
+            for i, (cid, s) in enumerate(st.fused, 1):
+                yield RankedHit(by_id[cid], s, kind, dense_pos.get(cid), lex_pos.get(cid), (i, s),
+                                fused_kind=kind)
+        elif st.mode == "dense":
+            for i, c in enumerate(st.dense, 1):
+                yield RankedHit(c, c.score, dense_kind, (i, c.score))
+        else:
+            for i, c in enumerate(st.lexical, 1):
+                yield RankedHit(c, c.score, "bm25", None, (i, c.score))
 
     def _can_deepen(self, st: _Query, a: ContextAssembler) -> bool:
         """Whether a short page may fill from deeper in the same retrievers: passages were
