@@ -209,6 +209,18 @@ def faiss_threads_initializer(n: int, nice: int = 0):
     return init
 
 
+def searching_off_the_main_thread() -> None:
+    """Drop faiss's Python interrupt check, process-wide. faiss asks it every few queries of a
+    search, and each time it takes the interpreter lock to call PyErr_CheckSignals - which, off
+    the main thread, never sees a signal (Python handles them in the main thread only). A server
+    searches only on worker threads, so the check did nothing but pull the lock from the event
+    loop mid-request: a Python thread beside a 1-thread HNSW search ran 9-28% more with it gone
+    (docs/BENCHMARKS.md, nineteenth session). Index builds keep it (Ctrl-C stops a long train)."""
+    clear = getattr(getattr(faiss, "InterruptCallback", None), "clear_instance", None)
+    if clear is not None:
+        clear()
+
+
 _default: Device | None = None
 
 
