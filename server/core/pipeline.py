@@ -702,8 +702,8 @@ class QueryPipeline:
         """Finish the common query in place, awaiting nothing: no rerank, token budget or trace,
         every hit its page reads already carrying its text (shards ship texts for the window), and
         nothing deeper to read. The page is the one `_finish_one` assembles for it, without a
-        task and two coroutines per query (1,000 of each for a SearchBatch of 1,000, all on the
-        event loop). False when the query needs the full path, which starts over: nothing of
+        task and four coroutines per query (for a SearchBatch of 1,000, 1,000 tasks on the event
+        loop). False when the query needs the full path, which starts over: nothing of
         this attempt is kept."""
         q = st.q
         if q.rerank_depth or q.context_token_budget or q.include_trace:
