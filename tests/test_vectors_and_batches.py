@@ -204,44 +204,60 @@ def test_search_batch_answers_each_query_in_its_slot(vec_server, vector_collecti
 
 
 def test_a_batch_finishes_its_queries_in_place_with_the_pages_the_full_path_assembles(
-        vec_server, vector_collection):
-    """A query whose page needs no fetch, rerank or budget is finished where its batch settles,
-    not in a task of its own (a SearchBatch of 1,000 made 1,000 tasks on the event loop); its
-    page is the one the full path assembles - the same query traced, whose shards ship no texts,
-    so every hit is fetched and assembled there."""
-    srv, stub = vec_server
-    q = vector_collection[3]
-    queries = [vreq(v) for v in q[:16]]
+        vector_collection, tmp_path):
+    """A query whose page needs no fetch, rerank, budget or trace is finished where its batch
+    settles, not in a task of its own (a SearchBatch of 1,000 made 1,000 tasks on the event loop).
+    Its page is the one the full path assembles: the same batch on a server whose shards ship one
+    text per list (text_top_n 1), where every query takes the full path and fetches the rest of
+    its page by row - dense, lexical and hybrid (whose fused hits take the copy that carries its
+    text, so it too finishes in place)."""
+    x, q = vector_collection[2], vector_collection[3]
+    # a document 40th by its vector, first by its unique word: fused first, with its text shipped
+    # only in the lexical list (no dense feedback, which would lift it into the dense list's head)
+    deep = int(np.argsort(-(x @ q[21]))[39])
+    queries = [vreq(v, top_k=7) for v in q[:12]]
     queries += [pb.SearchRequest(collection="vec", top_k=5, mode=pb.LEXICAL,
                                  text=f"vector document zyxvec{i}") for i in (5, 77, 900)]
-    queries += [pb.SearchRequest(collection="vec", top_k=5, mode=pb.HYBRID, text="zyxvec12 number",
-                                 vector=vreq(q[20]).vector)]
-    created = []
-
-    def counting(loop, coro, **kw):
-        created.append(getattr(coro, "__qualname__", ""))
-        return asyncio.Task(coro, loop=loop, **kw)
-
-    srv.loop.call_soon_threadsafe(srv.loop.set_task_factory, counting)
-    try:
-        plain = stub.SearchBatch(pb.SearchBatchRequest(queries=queries), timeout=30).results
-    finally:
-        srv.loop.call_soon_threadsafe(srv.loop.set_task_factory, None)
-    traced = [pb.SearchRequest() for _ in queries]
-    for t, r in zip(traced, queries):
-        t.CopyFrom(r)
-        t.include_trace = True
-    full = stub.SearchBatch(pb.SearchBatchRequest(queries=traced), timeout=30).results
+    queries += [pb.SearchRequest(collection="vec", top_k=5, mode=pb.HYBRID, text=text,
+                                 vector=vreq(q[k]).vector, feedback_docs=feedback)
+                for k, text, feedback in ((20, "zyxvec12 number", 5), (21, f"zyxvec{deep}", 0))]
 
     def page(item):
         assert item.code == 0, item.message
         return [(h.chunk_id, h.doc_id, h.text, round(h.score, 6), h.dense.rank, h.lexical.rank,
                  h.fused.rank) for h in item.response.hits]
 
-    for a, b in zip(plain, full):
-        assert page(a) and page(a) == page(b)
-    assert not [c for c in created if c.endswith("._finish")], created
-    assert len(created) < len(queries), created  # was one task per query, and more
+    pages, full_path, tasks = {}, {}, {}
+    for name, text_top_n in (("in place", None), ("full", 1)):
+        srv = start_core_server(vector_collection[0], None,
+                                pipeline={"retrieval_cache_size": 0, "text_top_n": text_top_n},
+                                storage={"state_dir": tmp_path / name.replace(" ", "-")})
+        calls, created = [], []
+        try:
+            pipeline = srv.core.pipeline
+
+            async def counted(st, *args, inner=pipeline._finish_one, calls=calls):
+                calls.append(st.q)
+                return await inner(st, *args)
+
+            def counting(loop, coro, created=created, **kw):
+                created.append(getattr(coro, "__qualname__", ""))
+                return asyncio.Task(coro, loop=loop, **kw)
+
+            pipeline._finish_one = counted
+            srv.loop.call_soon_threadsafe(srv.loop.set_task_factory, counting)
+            with grpc.insecure_channel(srv.address) as ch:
+                got = pb_grpc.SearchServiceStub(ch).SearchBatch(
+                    pb.SearchBatchRequest(queries=queries), timeout=30).results
+        finally:
+            srv.stop()
+        pages[name] = [page(item) for item in got]
+        full_path[name], tasks[name] = len(calls), created
+    assert all(pages["in place"]) and pages["in place"] == pages["full"]
+    assert pages["full"][-1][0][1:2] == (f"v{deep}",) and pages["full"][-1][0][4] > 10
+    assert full_path == {"in place": 0, "full": len(queries)}
+    finishing = {name: [c for c in made if c.endswith("._finish")] for name, made in tasks.items()}
+    assert len(finishing["full"]) == len(queries) and not finishing["in place"]
 
 
 @pytest.mark.parametrize("chunk, messages", [(4, 4), (0, 1)])

@@ -800,8 +800,14 @@ class QueryPipeline:
         if st.mode == "hybrid":
             dense_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.dense)}
             lex_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.lexical)}
+            # a chunk both lists hold: the dense copy, unless only the lexical one carries its
+            # text (each list ships texts for its own first hits; both copies were read under
+            # one lock, so they are the same row), which saves a fetch
             by_id = {c.chunk_id: c for c in st.lexical}
-            by_id.update({c.chunk_id: c for c in st.dense})
+            for c in st.dense:
+                kept = by_id.get(c.chunk_id)
+                if kept is None or c.record.text is not None or kept.record.text is None:
+                    by_id[c.chunk_id] = c
             kind = "minmax" if st.q.fusion == "minmax" else "rrf"
             for i, (cid, s) in enumerate(st.fused, 1):
                 yield RankedHit(by_id[cid], s, kind, dense_pos.get(cid), lex_pos.get(cid), (i, s),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from server.backends.device import Device, faiss_threads_initializer, searching_off_the_main_thread
+from server.backends.device import Device, faiss_threads_initializer
 from server.backends.threads import usable_cores
 from server.config import EngineConfig
 from server.core.engine.index import ShardIndex
@@ -43,7 +43,6 @@ class EnginePools:
 
     @classmethod
     def create(cls, search_threads: int = 8, faiss_threads: int = 1) -> "EnginePools":
-        searching_off_the_main_thread()  # every search of this engine runs on its threads
         return cls(ThreadPoolExecutor(max(1, search_threads), thread_name_prefix="engine-cpu",
                                       initializer=faiss_threads_initializer(faiss_threads)),
                    faiss_threads)
