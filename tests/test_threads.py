@@ -122,32 +122,3 @@ def test_the_entry_points_make_openmp_threads_sleep_before_any_runtime_loads(tmp
                              "--collection", "c", "--corpus", str(tmp_path / "missing.jsonl")],
                             {"OMP_WAIT_POLICY": "ACTIVE"})
     assert "OMP_WAIT_POLICY = 'ACTIVE'" in mine and "GOMP_SPINCOUNT = '10000'" not in mine, mine
-
-
-def test_an_engine_drops_faiss_interrupt_checks_that_take_the_interpreter_lock():
-    """faiss's Python build checks for Ctrl-C every few queries of a search, taking the
-    interpreter lock each time; on the engine's worker threads the check can never see a signal,
-    so the engine's threads drop it as they start (faiss then never checks: its period hint is
-    2**30) - process-wide, so in a process of its own here. Until then (loading, on the main
-    thread) and in the builder it stays."""
-    code = ("import sys, faiss\n"
-            "hint = lambda: faiss.InterruptCallback.get_period_hint(1000)\n"
-            "seen = [hint()]\n"
-            "if sys.argv[1] == 'engine':\n"
-            "    from server.core.engine.local import EnginePools\n"
-            "    pools = EnginePools.create(1)\n"
-            "    seen.append(hint())\n"
-            "    pools.cpu.submit(int).result()  # the engine's first thread starts\n"
-            "else:\n"
-            "    import index_builder.cli\n"
-            "print(*seen, hint())\n")
-    got = {}
-    for role in ("engine", "builder"):
-        out = subprocess.run([sys.executable, "-c", code, role], cwd=REPO, capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        got[role] = [int(x) for x in out.stdout.split()]
-    never = 1 << 30
-    before, created, searching = got["engine"]
-    assert before == created < never and searching == never
-    assert got["builder"][0] == got["builder"][1] < never

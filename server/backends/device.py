@@ -197,7 +197,6 @@ def faiss_threads_initializer(n: int, nice: int = 0):
     first."""
     def init() -> None:
         faiss.omp_set_num_threads(max(1, n))
-        searching_off_the_main_thread()
         # Linux only: there setpriority(PRIO_PROCESS, 0) is the calling thread; elsewhere
         # (macOS) it is the whole process
         if nice > 0 and sys.platform.startswith("linux"):
@@ -208,20 +207,6 @@ def faiss_threads_initializer(n: int, nice: int = 0):
                 pass  # a priority the platform refuses is a lost optimisation, not an error
 
     return init
-
-
-def searching_off_the_main_thread() -> None:
-    """Drop faiss's Python interrupt check, process-wide (an engine's threads do, as they start).
-    faiss asks it every few queries of a search, and each time it takes the interpreter lock to
-    call PyErr_CheckSignals - which, off the main thread, never sees a signal (Python handles
-    them in the main thread only). An engine searches only on its worker threads, so the check
-    did nothing but pull the lock from the event loop mid-request: a Python thread beside a
-    1-thread HNSW search ran 9-28% more with it gone (docs/BENCHMARKS.md, nineteenth session).
-    Work on the main thread before the first engine thread starts (loading, re-adding streamed
-    writes) and index builds keep it: Ctrl-C stops them."""
-    clear = getattr(getattr(faiss, "InterruptCallback", None), "clear_instance", None)
-    if clear is not None:
-        clear()
 
 
 _default: Device | None = None
