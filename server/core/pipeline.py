@@ -712,7 +712,7 @@ class QueryPipeline:
             t = time.perf_counter()
             a = ContextAssembler(q.top_k, tenant, 0, self.config.dedupe, acl_scopes)
             offer = a.offer
-            for h in self._ranked(st, SCORE_KINDS.get(st.coll.desc.metric, "inner_product")):
+            for h in self._ranked(st):
                 if a.full:
                     break
                 if h.candidate.record.text is None:
@@ -736,10 +736,9 @@ class QueryPipeline:
 
     async def _finish_one(self, st: _Query, tenant: str, acl_scopes: tuple,
                           deadline: Optional[float]) -> SearchResult:
-        q, desc = st.q, st.coll.desc
+        q = st.q
         t = time.perf_counter()
-        dense_kind = SCORE_KINDS.get(desc.metric, "inner_product")
-        ranked = self._ranking(st, dense_kind)
+        ranked = self._ranking(st)
         pre_rerank = ranked
         if q.rerank_depth and ranked:
             self._check_deadline(deadline, "rerank")
@@ -764,7 +763,7 @@ class QueryPipeline:
         while self._can_deepen(st, a):
             if not await self._retrieve_deeper(st, tenant, acl_scopes, deadline):
                 break
-            ranked = pre_rerank = self._ranking(st, dense_kind)
+            ranked = pre_rerank = self._ranking(st)
             a = await self._assemble(st, ranked, tenant, acl_scopes, deadline)
         self._stamp(st, "assembly", t)
         return self._result(st, a, pre_rerank, ranked)
@@ -789,13 +788,13 @@ class QueryPipeline:
         return result
 
     @classmethod
-    def _ranking(cls, st: _Query, dense_kind: str) -> list[RankedHit]:
+    def _ranking(cls, st: _Query) -> list[RankedHit]:
         """The query's ranking: the fused list of a hybrid query (each hit with its ranks in
         both retrievers' lists), else the single retriever's list, its rank the position."""
-        return list(cls._ranked(st, dense_kind))
+        return list(cls._ranked(st))
 
     @staticmethod
-    def _ranked(st: _Query, dense_kind: str) -> Iterator[RankedHit]:
+    def _ranked(st: _Query) -> Iterator[RankedHit]:
         """`_ranking`, one hit at a time: a page that fills early makes no more of them."""
         if st.mode == "hybrid":
             dense_pos = {c.chunk_id: (i + 1, c.score) for i, c in enumerate(st.dense)}
@@ -813,6 +812,7 @@ class QueryPipeline:
                 yield RankedHit(by_id[cid], s, kind, dense_pos.get(cid), lex_pos.get(cid), (i, s),
                                 fused_kind=kind)
         elif st.mode == "dense":
+            dense_kind = SCORE_KINDS.get(st.coll.desc.metric, "inner_product")
             for i, c in enumerate(st.dense, 1):
                 yield RankedHit(c, c.score, dense_kind, (i, c.score))
         else:
