@@ -58,13 +58,7 @@ def main(argv=None) -> int:
         engine.build(xb)
         index = faiss.read_index(str(engine.store.build_dir("bench", engine.desc.build_id)
                                      / "shard-000" / "dense.faiss"))
-        ef = None
-        for value in (16, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256):
-            index.hnsw.efSearch = value
-            _, ids = index.search(xq, 10)
-            if E.recall_at_k(list(ids), gt, 10) >= args.target_recall:
-                ef = value
-                break
+        ef = E.smallest_ef_search(index, xq, gt, args.target_recall)
         engine.set_knob(ef)
         faiss.omp_set_num_threads(E.NCPU)
         _, ids = index.search(xq, 10)

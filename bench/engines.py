@@ -186,6 +186,17 @@ def recall_at_k(results: list, gt: np.ndarray, k: int) -> float:
     return hits / (k * len(gt))
 
 
+def smallest_ef_search(index, xq: np.ndarray, gt: np.ndarray, target: float, k: int = 10):
+    """The smallest efSearch of a faiss HNSW index whose recall@k on `xq` reaches `target` (None if
+    none of the usual values does); the index is left at the last value tried."""
+    for value in (16, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256):
+        index.hnsw.efSearch = value
+        _, ids = index.search(xq, k)
+        if recall_at_k(list(ids), gt, k) >= target:
+            return value
+    return None
+
+
 # ---- CPU accounting from /proc --------------------------------------------------------------
 
 def _machine_busy() -> tuple[float, float] | None:
