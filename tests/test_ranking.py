@@ -23,6 +23,36 @@ def test_merge_topk_breaks_ties_on_chunk_id_and_drops_duplicates():
     assert [c.chunk_id for c in merge_topk([a, b], 10)] == [3, 7, 1]
 
 
+def test_one_shards_list_merges_as_the_sorted_merge_does():
+    """One list is returned as it came when its scores strictly fall and its chunks are
+    distinct; else (ties, a NaN, a repeat) it goes through the sort, which gives the same order."""
+    import random
+
+    def sorted_merge(lst, k):  # the order merge_topk promises, written out
+        out, seen = [], set()
+        for c in sorted(lst, key=lambda c: (-c.score, c.chunk_id)):
+            if c.chunk_id not in seen:
+                seen.add(c.chunk_id)
+                out.append(c)
+        return out[:k]
+
+    rng = random.Random(3)
+    for trial in range(300):
+        n = rng.randint(1, 25)
+        scores = sorted((rng.choice([0.1, 0.2, 0.3]) if trial % 3 == 0 else rng.random())
+                        for _ in range(n))[::-1]
+        ids = [rng.randint(1, 40 if trial % 5 == 0 else 10_000) for _ in range(n)]
+        lst = [cand(i, s) for i, s in zip(ids, scores)]
+        k = rng.randint(1, 30)
+        got = merge_topk([lst], k)
+        assert [(c.chunk_id, c.score) for c in got] == [(c.chunk_id, c.score)
+                                                       for c in sorted_merge(lst, k)]
+    tied = [cand(9, 0.5), cand(2, 0.5)]  # equal scores: chunk id decides, not the list's order
+    assert [c.chunk_id for c in merge_topk([tied], 2)] == [2, 9]
+    twice = [cand(4, 0.9), cand(4, 0.3), cand(5, 0.2)]  # a repeat: once, at its best score
+    assert [(c.chunk_id, c.score) for c in merge_topk([twice], 3)] == [(4, 0.9), (5, 0.2)]
+
+
 def test_rrf_matches_hand_computation():
     # doc 10: rank 1 in A, rank 2 in B -> 1/61 + 1/62; doc 20: rank 2 in A -> 1/62;
     # doc 30: rank 1 in B -> 1/61

@@ -15,6 +15,17 @@ def _best_first(c: Candidate) -> tuple:
     return -c.score, c.chunk_id
 
 
+def _strictly_best_first(lst: Sequence[Candidate]) -> bool:
+    """Whether one list is in merge order already: scores strictly falling (no ties to break on
+    chunk id; a NaN fails the test), every chunk once. Cheaper than re-sorting it."""
+    prev = None
+    for c in lst:
+        if prev is not None and not c.score < prev:
+            return False
+        prev = c.score
+    return len({c.chunk_id for c in lst}) == len(lst)
+
+
 def merge_topk(per_shard: Iterable[Sequence[Candidate]], k: int) -> list[Candidate]:
     """Global top-k of per-shard lists that are each sorted best first (higher score is better).
 
@@ -24,9 +35,12 @@ def merge_topk(per_shard: Iterable[Sequence[Candidate]], k: int) -> list[Candida
     twice (it cannot be, with document sharding, but a replica mix-up must not duplicate) is kept
     once, at its best score.
     """
-    items = [c for lst in per_shard for c in lst]
-    if not k or not items:
+    lists = [lst for lst in per_shard if lst]
+    if not k or not lists:
         return []
+    if len(lists) == 1 and _strictly_best_first(lists[0]):
+        return list(lists[0][:k])  # one shard's list (most collections): already the order
+    items = [c for lst in lists for c in lst]
     # a full sort is cheaper than a heap for the short lists one or two shards return (and the
     # lists arrive sorted, which Timsort merges in one pass)
     best = (sorted(items, key=_best_first) if len(items) <= 8 * k
