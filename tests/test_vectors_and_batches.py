@@ -260,6 +260,41 @@ def test_a_batch_finishes_its_queries_in_place_with_the_pages_the_full_path_asse
     assert len(finishing["full"]) == len(queries) and not finishing["in place"]
 
 
+def test_stage_histograms_take_one_sample_per_call_for_what_its_queries_share(
+        vector_collection, tmp_path):
+    """A SearchBatch's queries share their call's total, their shards' batched searches and the
+    pages assembled in place: one sample each per call (and per shard for the index time), not one
+    per query (1,000 observations of ~16 values for a SearchBatch of 1,000). A Search, one query,
+    takes the same samples as before."""
+    from prometheus_client import REGISTRY
+
+    def counts():
+        return {stage: REGISTRY.get_sample_value("search_stage_seconds_count", {"stage": stage}) or 0
+                for stage in ("total", "dense", "assembly", "retrieve")}
+
+    q = vector_collection[3]
+    srv = start_core_server(vector_collection[0], None,
+                            pipeline={"retrieval_cache_size": 0, "batch_chunk": 0},
+                            storage={"state_dir": tmp_path / "state"})
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            before = counts()
+            got = stub.SearchBatch(pb.SearchBatchRequest(queries=[vreq(v) for v in q[:24]]),
+                                   timeout=30).results
+            after_batch = counts()
+            one = stub.Search(vreq(q[30]), timeout=30)
+            after_one = counts()
+    finally:
+        srv.stop()
+    assert all(item.code == 0 and len(item.response.hits) == 10 for item in got) and one.hits
+    batch = {k: after_batch[k] - before[k] for k in before}
+    single = {k: after_one[k] - after_batch[k] for k in before}
+    # two shards: one index-time sample each; the rest one per call
+    assert batch == {"total": 1, "dense": 2, "assembly": 1, "retrieve": 1}
+    assert single == {"total": 1, "dense": 2, "assembly": 1, "retrieve": 1}
+
+
 @pytest.mark.parametrize("chunk, messages", [(4, 4), (0, 1)])
 def test_a_large_batch_runs_in_chunks_of_one_message_per_shard_with_the_same_answers(
         vector_collection, tmp_path, chunk, messages):
