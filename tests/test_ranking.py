@@ -51,6 +51,11 @@ def test_one_shards_list_merges_as_the_sorted_merge_does():
     assert [c.chunk_id for c in merge_topk([tied], 2)] == [2, 9]
     twice = [cand(4, 0.9), cand(4, 0.3), cand(5, 0.2)]  # a repeat: once, at its best score
     assert [(c.chunk_id, c.score) for c in merge_topk([twice], 3)] == [(4, 0.9), (5, 0.2)]
+    signed = [cand(8, 0.0), cand(3, -0.0)]  # equal as numbers: chunk id decides
+    assert [c.chunk_id for c in merge_topk([signed], 2)] == [3, 8]
+    nan = [cand(6, 0.9), cand(7, float("nan")), cand(2, 0.1)]
+    assert [c.chunk_id for c in merge_topk([nan], 3)] == [c.chunk_id for c in sorted_merge(nan, 3)]
+    assert merge_topk([[cand(1, 0.5)]], 0) == [] and merge_topk([[cand(1, 0.5)]], -1) == []
 
 
 def test_rrf_matches_hand_computation():

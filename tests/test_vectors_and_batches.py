@@ -295,6 +295,32 @@ def test_stage_histograms_take_one_sample_per_call_for_what_its_queries_share(
     assert single == {"total": 1, "dense": 2, "assembly": 1, "retrieve": 1}
 
 
+def test_index_time_samples_are_per_collection_and_shard():
+    """A SearchBatch may name several collections: shard 0 of one and shard 0 of another are two
+    samples (review: keyed by shard number alone, they collapsed into the larger)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    from server.core.pipeline import QueryPipeline
+    from server.core.types import ShardResult
+
+    def count(stage):
+        return REGISTRY.get_sample_value("search_stage_seconds_count", {"stage": stage}) or 0
+
+    def state(coll, *dense_ms, error=None):
+        return SimpleNamespace(coll=SimpleNamespace(name=coll), error=error, shard_results=[
+            ShardResult(shard, "v", [], [], ms, 0.0) for shard, ms in enumerate(dense_ms)])
+
+    before = count("dense"), count("lexical")
+    QueryPipeline._observe_retrievers([
+        state("a", 5.0, 1.0), state("a", 7.0, 2.0),  # one call's two queries on a's two shards
+        state("b", 9.0),                             # and one on b's only shard
+        state("c", 4.0, error=RuntimeError("failed")),  # failed: its results are not this round's
+    ])
+    assert (count("dense") - before[0], count("lexical") - before[1]) == (3, 0)
+
+
 @pytest.mark.parametrize("chunk, messages", [(4, 4), (0, 1)])
 def test_a_large_batch_runs_in_chunks_of_one_message_per_shard_with_the_same_answers(
         vector_collection, tmp_path, chunk, messages):

@@ -373,15 +373,17 @@ class QueryPipeline:
         """Each shard's dense and lexical search time in this round, one sample per shard: the
         queries of one call share their shard's batched search (observed per query, a SearchBatch
         of 1,000 put 1,000 copies of ~16 values into the histogram, at ~2 us each)."""
-        dense: dict[int, float] = {}
-        lexical: dict[int, float] = {}
+        dense: dict[tuple[str, int], float] = {}  # by collection and shard: a SearchBatch's
+        lexical: dict[tuple[str, int], float] = {}  # queries may name several collections
         for st in sent:
             if st.error is None:  # settled by this round (a failed one keeps older results)
+                name = st.coll.name
                 for r in st.shard_results:
-                    if r.dense_ms > dense.get(r.shard, 0.0):
-                        dense[r.shard] = r.dense_ms
-                    if r.lexical_ms > lexical.get(r.shard, 0.0):
-                        lexical[r.shard] = r.lexical_ms
+                    key = (name, r.shard)
+                    if r.dense_ms > dense.get(key, 0.0):
+                        dense[key] = r.dense_ms
+                    if r.lexical_ms > lexical.get(key, 0.0):
+                        lexical[key] = r.lexical_ms
         for ms in dense.values():
             metrics.RECENT.observe("dense", ms / 1e3)
         for ms in lexical.values():

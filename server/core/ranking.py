@@ -36,7 +36,7 @@ def merge_topk(per_shard: Iterable[Sequence[Candidate]], k: int) -> list[Candida
     once, at its best score.
     """
     lists = [lst for lst in per_shard if lst]
-    if not k or not lists:
+    if k <= 0 or not lists:
         return []
     if len(lists) == 1 and _strictly_best_first(lists[0]):
         return list(lists[0][:k])  # one shard's list (most collections): already the order
