@@ -370,9 +370,10 @@ class QueryPipeline:
 
     @staticmethod
     def _observe_retrievers(sent: list[_Query]) -> None:
-        """Each shard's dense and lexical search time in this round, one sample per shard: the
-        queries of one call share their shard's batched search (observed per query, a SearchBatch
-        of 1,000 put 1,000 copies of ~16 values into the histogram, at ~2 us each)."""
+        """Each shard's dense and lexical search time in this round, one sample per collection's
+        shard (the slowest of the call's batches there): the queries of one call share their
+        shard's batched search (observed per query, a SearchBatch of 1,000 put 1,000 copies of ~16
+        values into the histogram, at ~2 us each)."""
         dense: dict[tuple[str, int], float] = {}  # by collection and shard: a SearchBatch's
         lexical: dict[tuple[str, int], float] = {}  # queries may name several collections
         for st in sent:
