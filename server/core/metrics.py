@@ -17,10 +17,13 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 10
 
 STAGE_SECONDS = Histogram("search_stage_seconds", "Latency of one stage of answered queries: "
                           "per call for stages a request's queries run together (embed, "
-                          "term_stats, retrieve, fusion, feedback, lexical_feedback), per query "
-                          "for the others (dense, lexical, fetch, assembly, total; shard_dense "
-                          "and shard_lexical on shard servers); search_request_seconds counts "
-                          "every answer", ["stage"], buckets=LATENCY_BUCKETS)
+                          "term_stats, retrieve, fusion, feedback, lexical_feedback, total, and "
+                          "assembly of the pages finished in place), per collection's shard and "
+                          "retrieval round for dense and lexical (the index time), per query "
+                          "for the others (fetch, rerank, assembly on the full path; "
+                          "shard_dense and shard_lexical on shard servers); "
+                          "search_request_seconds counts every answer", ["stage"],
+                          buckets=LATENCY_BUCKETS)
 SHARD_SECONDS = Histogram("search_shard_seconds", "Latency of one answered shard call, per "
                           "replica (calls given up on: search_shard_abandoned_seconds)",
                           ["shard", "replica"], buckets=LATENCY_BUCKETS)
