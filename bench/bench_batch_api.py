@@ -52,13 +52,8 @@ def main(argv=None) -> int:
 
     X = np.ascontiguousarray(np.load(args.vectors), dtype=np.float32)
     xb, xq = X[:-args.batch], X[-args.batch:]
-    gt = E.exact_topk(xb, xq, 10)
-    engine = E.SearchServiceEngine()
+    engine, index, ef, gt = E.service_at_recall(xb, xq, args.target_recall)
     try:
-        engine.build(xb)
-        index = faiss.read_index(str(engine.store.build_dir("bench", engine.desc.build_id)
-                                     / "shard-000" / "dense.faiss"))
-        ef = E.smallest_ef_search(index, xq, gt, args.target_recall)
         engine.set_knob(ef)
         faiss.omp_set_num_threads(E.NCPU)
         _, ids = index.search(xq, 10)

@@ -124,15 +124,8 @@ def main(argv=None) -> int:
 
     x = np.ascontiguousarray(np.load(args.vectors), dtype=np.float32)
     xb, xq = x[:-args.batch], x[-args.batch:]
-    gt = E.exact_topk(xb, xq, 10)
-    engine = E.SearchServiceEngine()
-    engine.build(xb)
-    index = faiss.read_index(str(engine.store.build_dir("bench", engine.desc.build_id)
-                                 / "shard-000" / "dense.faiss"))
-    ef = E.smallest_ef_search(index, xq, gt, args.target_recall)
-    desc = engine.store.descriptor("bench", engine.desc.build_id)
-    desc.search_defaults = {**(desc.search_defaults or {}), "ef_search": ef}
-    engine.store.write_descriptor(desc)
+    engine, index, ef, _ = E.service_at_recall(xb, xq, args.target_recall)
+    engine.store_ef_search(ef)  # read as the core below loads the build (no server started)
     tune_garbage_collector(serve_config(engine.dir / "data").listen.gc_threshold)
 
     async def run():

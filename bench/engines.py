@@ -197,6 +197,25 @@ def smallest_ef_search(index, xq: np.ndarray, gt: np.ndarray, target: float, k: 
     return None
 
 
+def service_at_recall(xb: np.ndarray, xq: np.ndarray, target: float, k: int = 10):
+    """For the SearchBatch benchmarks: a SearchServiceEngine built from `xb` (no server started),
+    the faiss index of its one shard read from the build, the smallest efSearch whose recall@k on
+    `xq` reaches `target` (None if none does; the index is left at the last value tried), and
+    `xq`'s exact top-k. The engine is closed if the build or the read fails."""
+    import faiss
+
+    gt = exact_topk(xb, xq, k)
+    engine = SearchServiceEngine()
+    try:
+        engine.build(xb)
+        index = faiss.read_index(str(engine.store.build_dir("bench", engine.desc.build_id)
+                                     / "shard-000" / "dense.faiss"))
+    except BaseException:
+        engine.close()
+        raise
+    return engine, index, smallest_ef_search(index, xq, gt, target, k), gt
+
+
 # ---- CPU accounting from /proc --------------------------------------------------------------
 
 def _machine_busy() -> tuple[float, float] | None:
@@ -1118,10 +1137,14 @@ class SearchServiceEngine(Engine):
         if value == self.knob and self.proc is not None:
             return
         super().set_knob(value)
-        desc = self.store.descriptor("bench", self.desc.build_id)
-        desc.search_defaults = {**(desc.search_defaults or {}), "ef_search": value}
-        self.store.write_descriptor(desc)
+        self.store_ef_search(value)
         self._restart()
+
+    def store_ef_search(self, value: int) -> None:
+        """The build's efSearch in its descriptor, which a server reads as it loads the build."""
+        desc = self.store.descriptor("bench", self.desc.build_id)
+        desc.search_defaults = {**(desc.search_defaults or {}), "ef_search": int(value)}
+        self.store.write_descriptor(desc)
 
     def _restart(self):
         stop_process(self.proc, signal.SIGTERM, 30)
