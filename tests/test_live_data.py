@@ -74,6 +74,28 @@ def test_upsert_is_searchable_when_acknowledged_and_replays_are_noops(live):
     assert docs_for(stub, "zyxbeta")[0] == []
 
 
+def test_a_stale_upsert_is_answered_without_embedding_it(live):
+    """A sync job re-sending unchanged documents costs a version lookup each, not a model call
+    per chunk; a newer version is embedded and applied as ever."""
+    srv, stub = live
+    embeds = srv.core.encoders.embed_batcher
+    first = upsert(stub, "stale-1", 4, "zyxstale turbine blade cooling", title="cooling")
+    assert first.outcome == APPLIED
+    before = embeds.batches
+    for version in (4, 2):  # the same version re-sent, an older one
+        again = upsert(stub, "stale-1", version, long_text(["zyxstale", "zyxnever"]))
+        assert again.outcome == NOOP and again.stored_version == 4
+        assert again.index_version == first.index_version
+    assert embeds.batches == before
+    assert delete(stub, "stale-1", 5).outcome == APPLIED
+    tomb = upsert(stub, "stale-1", 5, "zyxnever back at the deleted version")  # the tombstone's
+    assert tomb.outcome == NOOP and tomb.stored_version == 5 and embeds.batches == before
+    assert docs_for(stub, "zyxnever")[0] == []
+    newer = upsert(stub, "stale-1", 6, "zyxstale written again", title="cooling")
+    assert newer.outcome == APPLIED and embeds.batches > before
+    assert docs_for(stub, "zyxstale")[0] == ["stale-1"]
+
+
 def test_replacing_with_a_shorter_document_leaves_no_orphan_chunk(live):
     srv, stub = live
     assert upsert(stub, "long-1", 1, long_text(["mkalpha", "mkbravo", "mkcharlie"])).outcome == APPLIED

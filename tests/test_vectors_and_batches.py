@@ -140,6 +140,12 @@ def test_text_needs_a_model_the_server_does_not_have_but_lexical_works(vec_serve
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "chunks with their vectors and vector_model_id" in err.value.details()
     assert "query vector" not in err.value.details()
+    # so is one whose version is stale (v7 holds version 1): the check before embedding answers
+    # no NOOP where the server could not have embedded the text at all
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpsertDocument(pb.UpsertDocumentRequest(collection="vec", doc_id="v7", version=1,
+                                                     text="text only"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_upserts_carry_their_own_chunk_vectors(vec_server, vector_collection):

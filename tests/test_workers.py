@@ -81,7 +81,7 @@ def test_the_front_ends_split_the_cores_between_their_models(workers):
 
 
 def test_a_write_through_one_front_end_is_seen_through_all(workers):
-    _, port, _ = workers
+    _, port, metrics = workers
     channels = [grpc.insecure_channel(f"127.0.0.1:{port}",
                                       options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(16)]
@@ -93,6 +93,17 @@ def test_a_write_through_one_front_end_is_seen_through_all(workers):
         hits = stub.Search(pb.SearchRequest(collection="cran", text="zyxworkers", top_k=3,
                                             mode=pb.LEXICAL), timeout=30).hits
         assert [h.doc_id for h in hits] == ["w-1"]
+    # re-sent through every front end, the write is a no-op each asks the engine for, before
+    # embedding anything (the engine loads no model; the front ends' embedding batches stay put)
+    embeds = sum(engine_metric(metrics + i, "search_batch_size_count", model="embed")
+                 for i in (1, 2))
+    for stub in stubs:
+        again = stub.UpsertDocument(pb.UpsertDocumentRequest(
+            collection="cran", doc_id="w-1", version=1, text="zyxworkers changed"), timeout=30)
+        assert again.outcome == pb.WriteResponse.NOOP_STALE_VERSION and again.stored_version == 1
+        assert again.index_version == r.index_version
+    assert sum(engine_metric(metrics + i, "search_batch_size_count", model="embed")
+               for i in (1, 2)) == embeds
     for ch in channels:
         ch.close()
 

@@ -47,7 +47,7 @@ import numpy as np
 from server.core import metrics
 from server.core.shard_api import SHARD_INFO_TIMEOUT_S
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
-                               ShardWrite, WriteOutcome)
+                               ShardWrite, StoredVersions, WriteOutcome)
 from server.errors import (DeadlineExceeded, FailedPrecondition, ReplicaOverloaded, SearchError,
                            ShardUnreachable, Unavailable)
 
@@ -403,6 +403,12 @@ class ReplicaSet:
             raise Unavailable(f"shard {self.shard_no}: {len(failed)} of {len(self.replicas)} replicas "
                               f"did not apply the writes: {'; '.join(failed)}")
         return results[0]
+
+    async def stored_versions(self, keys: Sequence[tuple[str, str]],
+                              timeout: Optional[float] = None) -> StoredVersions:
+        """None known: a replica set's writes travel through the write log, whose retries must
+        be answered as the log answers them, not from a replica's state."""
+        return StoredVersions({}, 0)
 
     async def info(self, tenant: Optional[str] = None, digest: bool = False,
                    timeout: Optional[float] = SHARD_INFO_TIMEOUT_S) -> ShardInfo:

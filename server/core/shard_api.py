@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Optional, Protocol, Sequence, Union
 
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
-                               ShardWrite, WriteOutcome)
+                               ShardWrite, StoredVersions, WriteOutcome)
 from server.errors import SearchError
 
 SearchAnswer = Union[ShardResult, SearchError]
@@ -49,6 +49,14 @@ class Shard(Protocol):
                     timeout: Optional[float] = None) -> list[WriteOutcome]:
         """Apply writes in order through the versioned, crash-safe path (idempotent: a version
         not above the stored one is a no-op). Acknowledged = durable and searchable."""
+        ...
+
+    async def stored_versions(self, keys: Sequence[tuple[str, str]],
+                              timeout: Optional[float] = None) -> StoredVersions:
+        """The stored version of each of these (tenant, doc_id) documents the shard holds, so a
+        writer can answer an upsert its shard would take as a no-op without embedding it first.
+        Kinds whose writes travel through the replicated log (remote shards, replica sets) know
+        none here: the write then goes on as before, and the log or the shard decides."""
         ...
 
     async def info(self, tenant: Optional[str] = None, digest: bool = False,

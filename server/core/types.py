@@ -166,6 +166,15 @@ class WriteOutcome:
     seq: int = 0          # the log position it was recorded at
 
 
+@dataclass(frozen=True)
+class StoredVersions:
+    """The stored version of documents a shard holds, a deleted one's (its tombstone's) too, read
+    at one index version: a write of one of them at a version not above its own would be a
+    no-op, answered with these."""
+    versions: dict        # (tenant, doc_id) -> version; documents the shard never held are absent
+    index_version: int
+
+
 @dataclass
 class ShardInfo:
     """What a shard says about itself: the build it serves, how far it has applied the write log,

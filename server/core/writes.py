@@ -12,7 +12,7 @@ import hashlib
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from server.core.chunking import capped_chunks, embed_text, given_chunks, shard_
 from server.core.collection import ReleaseDescriptor
 from server.core.encoders import Encoders
 from server.core.registry import CollectionRegistry
+from server.core.shard_api import Shard
 from server.core.types import ShardWrite, WriteRequest
 from server.core.validation import check_vector, unit_vectors, validate_write
 from server.errors import InvalidArgument
@@ -119,9 +120,14 @@ class WritePath:
         now = time.time()
         async with self.gate(w.collection).writing():  # a build switch waits for us, and we for it
             coll = self.registry.get(w.collection)
-            sw = await self.shard_write(w, tenant, coll.desc, now)
             shard_no = shard_of(tenant, w.doc_id, coll.desc.shards)
-            if self.log is not None:
+            # the embedded server asks its shard first: an upsert it would take as a no-op (a
+            # re-sent document, a sync job's unchanged pages) is answered without embedding it
+            sw = await self.shard_write(w, tenant, coll.desc, now,
+                                        coll.shards[shard_no] if self.log is None else None)
+            if isinstance(sw, WriteAck):
+                ack = sw
+            elif self.log is not None:
                 seq, superseded = await self.log.append(coll.name, shard_no, sw,
                                                         message_id(coll.name, sw))
                 # another body under a version the log holds already: nothing was stored and the
@@ -138,8 +144,13 @@ class WritePath:
         return ack
 
     async def shard_write(self, w: WriteRequest, tenant: str, desc: ReleaseDescriptor,
-                          now: Optional[float] = None) -> ShardWrite:
-        """Chunk and embed (or check the caller's chunks and vectors) into the shard's message."""
+                          now: Optional[float] = None,
+                          shard: Optional[Shard] = None) -> Union[ShardWrite, WriteAck]:
+        """Chunk and embed (or check the caller's chunks and vectors) into the shard's message.
+        With `shard` (the document's, which applies the write itself), an upsert to embed whose
+        version is not above the one stored there is answered NOOP instead, as the shard would
+        answer it, with no model call: checked and chunked as ever, so a request that fails
+        those fails the same way."""
         body = {"title": w.title, "text": "", "metadata": dict(w.metadata), "acl": list(w.acl),
                 "source_modified_at": w.source_modified_at or None,
                 "ingested_at": now if now is not None else time.time()}
@@ -152,6 +163,12 @@ class WritePath:
             text, chunks = w.text, capped_chunks(w.title, w.text)
             vectors = None
         body["text"] = text
+        if vectors is None and chunks and shard is not None:
+            self.encoders.check_model(desc, writing=True)  # a server that cannot embed says so
+            stored = await shard.stored_versions([(tenant, w.doc_id)])
+            found = stored.versions.get((tenant, w.doc_id))
+            if found is not None and found >= w.version:
+                return WriteAck("noop", found, str(stored.index_version))
         if vectors is None:
             vectors = await self.encoders.embed_many([embed_text(w.title, c.text) for c in chunks], desc)
         return ShardWrite("upsert", tenant, w.doc_id, w.version, body, tuple(chunks), vectors,

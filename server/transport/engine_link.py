@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 from server.config import ServerConfig
 from server.core.chunking import shard_of
 from server.core.registry import LoadedCollection
-from server.core.types import FetchRequest, ShardQuery, ShardWrite
+from server.core.types import FetchRequest, ShardQuery, ShardWrite, StoredVersions
 from server.errors import SearchError, ShardUnreachable, Unavailable
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,12 @@ class EngineServer:
                 if live.desc.build_id == build_id:
                     return await live.shards[shard_no].apply(writes, timeout)
                 return await _apply_to_live(live, build_id, writes, timeout)
+        if op == "versions":
+            collection, build_id, shard_no, keys, timeout = args
+            live = core.registry.get(collection)
+            if live.desc.build_id != build_id:  # switched meanwhile: none known, the write goes
+                return StoredVersions({}, 0)     # on and `apply` places it on the live build
+            return await live.shards[shard_no].stored_versions(keys, timeout)
         if op == "info":
             collection, shard_no, tenant, digest, timeout = args
             shards = core.registry.get(collection).shards
@@ -379,6 +385,11 @@ class EngineShard:
         # the build it was routed for: the engine may have switched since (engine_link._apply_to_live)
         return await self.client.call("apply", self.collection, self.build_id, self.shard_no,
                                       list(writes), timeout)
+
+    async def stored_versions(self, keys: Sequence[tuple[str, str]],
+                              timeout: Optional[float] = None) -> StoredVersions:
+        return await self.client.call("versions", self.collection, self.build_id, self.shard_no,
+                                      list(keys), timeout)
 
     async def info(self, tenant: Optional[str] = None, digest: bool = False,
                    timeout: Optional[float] = None):

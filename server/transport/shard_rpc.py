@@ -21,7 +21,8 @@ from server import errors
 from server.core import metrics
 from server.core.admission import Admission
 from server.core.shard_api import SHARD_INFO_TIMEOUT_S
-from server.core.types import Candidate, FetchRequest, ShardInfo, ShardQuery, ShardWrite, WriteOutcome
+from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardWrite,
+                               StoredVersions, WriteOutcome)
 from server.rpc import shard_pb2 as spb
 from server.rpc import shard_pb2_grpc as spb_grpc
 from server.transport import codec
@@ -251,6 +252,12 @@ class RemoteShard:
         except grpc.aio.AioRpcError as err:
             raise self._error(err) from None
         return [codec.outcome_from_pb(o) for o in resp.outcomes]
+
+    async def stored_versions(self, keys: Sequence[tuple[str, str]],
+                              timeout: Optional[float] = None) -> StoredVersions:
+        """None known: a shard server takes its writes from the write log (a router has no
+        direct writes to it), so nothing here asks it before embedding."""
+        return StoredVersions({}, 0)
 
     async def info(self, tenant: Optional[str] = None, digest: bool = False,
                    timeout: Optional[float] = SHARD_INFO_TIMEOUT_S,

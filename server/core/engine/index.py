@@ -52,7 +52,7 @@ from server.core.engine.state import (COMMITTED, lock_state, lost_writes, prepar
                                       record_committed, state_shard_dir)
 from server.core.rwlock import RWLock
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
-                               ShardWrite, WriteOutcome, small_key)
+                               ShardWrite, StoredVersions, WriteOutcome, small_key)
 from server.errors import (FailedPrecondition, IndexCorruptError, ModelMismatch, StorageFull,
                            is_failure, is_panic, is_storage_full, panic_as_corruption)
 
@@ -634,6 +634,14 @@ class ShardIndex:
                         log.error("%s", full)
                     raise full from exc
                 raise
+
+    def stored_versions(self, keys: Sequence[tuple[str, str]]) -> StoredVersions:
+        """The versions the next write group would compare against (`_apply_group`'s rule), read
+        under the lock the flip takes, so with the index version they were stored at."""
+        with self._rw.read():
+            found = self.store.documents_of(list(dict.fromkeys(keys)))
+            return StoredVersions({key: version for key, (version, _) in found.items()},
+                                  self.index_version)
 
     def _apply_group(self, writes: Sequence[ShardWrite]) -> list[WriteOutcome]:
         stored = self.store.documents_of(list(dict.fromkeys(w.key for w in writes)))

@@ -23,7 +23,7 @@ from server.core.engine.index import ShardIndex
 from server.core.engine.scheduler import SearchScheduler, WriteQueue
 from server.core.shard_api import SearchAnswer
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardWrite,
-                               WriteOutcome)
+                               StoredVersions, WriteOutcome)
 from server.core.validation import validate_fetch, validate_shard_query, validate_shard_write
 from server.errors import DeadlineExceeded, SearchError, Unavailable
 
@@ -259,6 +259,14 @@ class LocalShard:
         outcomes = await self.writes.submit(writes)
         await self.notify_applied()
         return outcomes
+
+    async def stored_versions(self, keys: Sequence[tuple[str, str]],
+                              timeout: Optional[float] = None) -> StoredVersions:
+        # a SQLite read: off the event loop, and not behind a running group commit (a version
+        # read before that group's flip is lower, never higher: the write is embedded and the
+        # group commit's own rule decides, as without this read)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pools.cpu, self.index.stored_versions, list(keys))
 
     async def info(self, tenant: Optional[str] = None, digest: bool = False,
                    timeout: Optional[float] = None) -> ShardInfo:
