@@ -5,8 +5,10 @@
 
 What it measures
 - acknowledged writes/s for each count of concurrent writers in --writers (each an UpsertDocument
-  carrying its chunk's own vector, so the write path is measured, not the embedding model; a last
-  run lets the server embed the text with the packaged MiniLM);
+  carrying its chunk's own vector, so the write path is measured, not the embedding model);
+- embedded default, text: --text-docs documents sent as text, which the server embeds with the
+  packaged MiniLM (16 writers), then the same requests re-sent unchanged (a sync job's second
+  pass: every one NOOP_STALE_VERSION, answered without embedding);
 - embedded default: acknowledged = durable and searchable, so freshness is 0 by construction;
   group commits: concurrent writes share one BM25 commit and one SQLite transaction (the group
   sizes come from search_write_group_size);
@@ -62,6 +64,11 @@ def build(data: Path, base_docs, dim: int):
     desc = build_collection(docs, store, "w", None, "Flat", shards=2, quiet=True, vectors=x,
                             model_id=MODEL)
     store.publish("w", desc.build_id, require_audit=False)
+    # "t": a small build of the packaged MiniLM's, for the writes the server embeds itself
+    from server.backends.models import Embedder
+
+    desc = build_collection(docs[:20], store, "t", Embedder(), "Flat", shards=2, quiet=True)
+    store.publish("t", desc.build_id, require_audit=False)
 
 
 def write_requests(docs, dim, prefix):
@@ -79,7 +86,8 @@ def write_requests(docs, dim, prefix):
 def stream(address, requests, writers):
     """Send the requests with `writers` calls in flight (one asyncio loop, grpc.aio: a thread per
     writer in this process would make the client, not the server, the limit on 2 cores); returns
-    (start time, elapsed s, acks [(request index, seq, ack time)], errors by status code)."""
+    (start time, elapsed s, acks [(request index, seq, ack time, outcome)], errors by status
+    code)."""
     import asyncio
 
     import grpc
@@ -93,7 +101,7 @@ def stream(address, requests, writers):
         for i in nxt:
             try:
                 r = await stub.UpsertDocument(requests[i], timeout=60)
-                acks.append((i, r.sequence, time.perf_counter()))
+                acks.append((i, r.sequence, time.perf_counter(), r.outcome))
             except grpc.RpcError as err:
                 errors.append(err.code().name)
 
@@ -171,17 +179,41 @@ def embedded(data, docs, args, rows):
             g1 = group_totals(metrics)
             stop.set()
             qt.join()
-            rows.append({"path": "embedded default", "writers": writers, "writes": len(acks),
-                         "errors": len(errors), "acked_per_s": len(acks) / elapsed,
-                         "applied_per_s": len(acks) / elapsed, "per_shard_per_s": len(acks) / elapsed / 2,
-                         "fresh_p50_ms": 0.0, "fresh_p99_ms": 0.0,
-                         "query_p50_idle": pct(idle, 50), "query_p99_idle": pct(idle, 99),
-                         "query_p50_ingest": pct(busy, 50), "query_p99_ingest": pct(busy, 99),
-                         "mean_group": (g1[0] - g0[0]) / max(1.0, g1[1] - g0[1]),
-                         "other_cpu": cpu.cores})
-            print(rows[-1], flush=True)
+            rows.append(embedded_row("embedded default", writers, elapsed, acks, errors, idle,
+                                     busy, g0, g1, cpu))
+        # text the server embeds, then the same requests again: each re-sent one is a no-op
+        # answered before its chunks are embedded
+        reqs = text_requests(docs[:args.text_docs])
+        for path in ("embedded default, text", "embedded default, text re-sent unchanged"):
+            g0 = group_totals(metrics)
+            with OtherCpu() as cpu:
+                _, elapsed, acks, errors = stream(srv.address, reqs, 16)
+            rows.append(embedded_row(path, 16, elapsed, acks, errors, idle, [], g0,
+                                     group_totals(metrics), cpu))
     finally:
         srv.stop()
+
+
+def text_requests(docs):
+    from server.rpc import search_pb2 as pb
+
+    return [pb.UpsertDocumentRequest(collection="t", doc_id=f"t-{i}", version=1, title=d.title,
+                                     text=d.text or d.title) for i, d in enumerate(docs)]
+
+
+def embedded_row(path, writers, elapsed, acks, errors, idle, busy, g0, g1, cpu) -> dict:
+    from server.rpc import search_pb2 as pb
+
+    row = {"path": path, "writers": writers, "writes": len(acks), "errors": len(errors),
+           "noops": sum(1 for *_, outcome in acks if outcome == pb.WriteResponse.NOOP_STALE_VERSION),
+           "acked_per_s": len(acks) / elapsed, "applied_per_s": len(acks) / elapsed,
+           "per_shard_per_s": len(acks) / elapsed / 2, "fresh_p50_ms": 0.0, "fresh_p99_ms": 0.0,
+           "query_p50_idle": pct(idle, 50), "query_p99_idle": pct(idle, 99),
+           "query_p50_ingest": pct(busy, 50) if busy else float("nan"),
+           "query_p99_ingest": pct(busy, 99) if busy else float("nan"),
+           "mean_group": (g1[0] - g0[0]) / max(1.0, g1[1] - g0[1]), "other_cpu": cpu.cores}
+    print(row, flush=True)
+    return row
 
 
 def replicated(data, docs, args, rows, tmp: Path):
@@ -243,7 +275,7 @@ def replicated(data, docs, args, rows, tmp: Path):
             done.set()
             mt.join()
             fresh = []
-            for i, seq, t_ack in acks:
+            for i, seq, t_ack, _ in acks:
                 s = shard_of("default", reqs[i].doc_id, 2)
                 t_vis = next((t for t, a in applied_at[s] if a >= seq), None)
                 if t_vis is not None:
@@ -268,7 +300,7 @@ def replicated(data, docs, args, rows, tmp: Path):
 def last_of(acks, reqs, shard):
     from server.core.chunking import shard_of
 
-    seqs = [seq for i, seq, _ in acks if shard_of("default", reqs[i].doc_id, 2) == shard]
+    seqs = [seq for i, seq, *_ in acks if shard_of("default", reqs[i].doc_id, 2) == shard]
     return max(seqs) if seqs else 0
 
 
@@ -279,6 +311,10 @@ def main(argv=None) -> int:
     ap.add_argument("--writers", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64],
                     help="comma list of writer counts (calls in flight), one run each")
     ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--text-docs", type=int, default=200,
+                    help="documents the embedded server embeds itself, then receives again unchanged")
+    ap.add_argument("--no-replicated", action="store_true",
+                    help="the embedded default only (no NATS, no router)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     docs = corpus(args.base + args.docs)
@@ -287,14 +323,18 @@ def main(argv=None) -> int:
     build(tmp / "data", base, args.dim)
     rows: list[dict] = []
     embedded(tmp / "data", writes, args, rows)
-    replicated(tmp / "data", writes, args, rows, tmp)
+    if not args.no_replicated:
+        replicated(tmp / "data", writes, args, rows, tmp)
     print(f"\n{len(writes)} single-chunk documents per run, each with its own {args.dim}-d vector; "
-          f"base build {len(base)} documents, 2 shards; 2 CPUs\n")
-    print("| path | writers | acked/s | applied on every replica /s | per shard /s | freshness p50 / p99 ms "
-          "| mean group commit | query p50 / p99 ms idle | during ingest | other CPU |")
+          f"base build {len(base)} documents, 2 shards; the text rows: {args.text_docs} "
+          f"documents the server embeds (packaged MiniLM), then the same requests again; 2 CPUs\n")
+    print("| path | writers | acked/s (no-ops) | applied on every replica /s | per shard /s | "
+          "freshness p50 / p99 ms | mean group commit | query p50 / p99 ms idle | during ingest "
+          "| other CPU |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['path']} | {r['writers']} | {r['acked_per_s']:.0f} | {r['applied_per_s']:.0f} | "
+        noops = f" ({r['noops']})" if r.get("noops") else ""
+        print(f"| {r['path']} | {r['writers']} | {r['acked_per_s']:.0f}{noops} | {r['applied_per_s']:.0f} | "
               f"{r['per_shard_per_s']:.0f} | {r['fresh_p50_ms']:.1f} / {r['fresh_p99_ms']:.1f} | "
               f"{r['mean_group']:.1f} | {r['query_p50_idle']:.1f} / {r['query_p99_idle']:.1f} | "
               f"{r['query_p50_ingest']:.1f} / {r['query_p99_ingest']:.1f} | "
