@@ -63,6 +63,12 @@ class ListenConfig:
     shutdown_grace_s: float = opt(5.0, "on SIGTERM, after --shutdown-delay-s: seconds in-flight "
                                        "calls get to finish (new calls and calls still running "
                                        "after it are answered UNAVAILABLE, which clients retry)")
+    shutdown_limit_s: float = opt(30.0, "on SIGTERM or SIGINT, after the delay and the grace "
+                                        "period: seconds the process may take to close its "
+                                        "indexes, models and log before it exits anyway with "
+                                        "status 1, logging why (a hung engine or device would "
+                                        "otherwise keep it up; acknowledged writes are durable "
+                                        "either way); 0 = wait for ever")
     max_inflight: int = opt(256, "admission control: searches and batches beyond this many in "
                                  "flight get RESOURCE_EXHAUSTED at once (writes have a budget of "
                                  "this size of their own; a shard server counts routers' queries "
@@ -172,7 +178,9 @@ class EngineConfig:
     device_nice: int = opt(10, "niceness added to the threads that search a CPU index, so the "
                                "event loop every request passes through runs first when cores "
                                "are short (0 = same priority as the rest)", minimum=-20, maximum=19)
-    search_threads: int = opt(8, "threads for BM25, record reads and writes", minimum=1)
+    search_threads: int = opt(8, "threads for record reads, statistics rounds and the "
+                                 "pipeline's CPU work, and as many again for the BM25 searches "
+                                 "of a batch", minimum=1)
     record_cache_rows: int = opt(50_000, "chunk records (text, ids, metadata) each shard keeps in "
                                          "memory for the hits it ships, least recently used out "
                                          "first; 0 = read every one from SQLite")

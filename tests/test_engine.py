@@ -461,6 +461,76 @@ def test_the_read_write_lock_shares_reads_and_lets_a_waiting_writer_go_first():
     assert order == ["two readers", "writer", "late reader"]
 
 
+def test_a_batch_holding_the_read_lock_never_waits_for_threads_queued_behind_a_writer(
+        engine_build, rng):
+    """Outside QA (writes beside SearchBatch and Search; `serve` and `--workers` hung for good): a
+    batch of texts holds the shard's read lock while its BM25 searches fan out to a pool. A write
+    came to wait for the lock, so every fetch that arrived after it queued for the lock on that
+    pool's threads - all of them - and the batch's BM25 searches never got a thread. Here: the
+    batch paused after taking the lock, a writer waiting, every `cpu` thread a fetch queued for
+    the lock; the batch must finish, then the writer, then the fetches."""
+    from server.core.types import FetchRequest, ShardQuery
+
+    data, desc = engine_build
+    shard, pools = open_shard(data, desc)
+    index = shard.index
+    in_dense, go = threading.Event(), threading.Event()
+    inner_dense = index.dense_search
+
+    def paused_dense(*args):  # the batch holds the read lock here
+        in_dense.set()
+        go.wait(60)
+        return inner_dense(*args)
+
+    index.dense_search = paused_dense
+    fetching = threading.Semaphore(0)
+    inner_fetch = index.fetch
+
+    def counted_fetch(req):
+        fetching.release()  # on a `cpu` thread, about to wait for the read lock
+        return inner_fetch(req)
+
+    index.fetch = counted_fetch
+    texts = ["flow over a flat plate", "heat transfer at the wall", "shock wave boundary layer"]
+    queries = [ShardQuery(desc.build_id, "alpha", rng.standard_normal(desc.dim).astype(np.float32),
+                          desc.model_id, t, 10, 10) for t in texts]
+    answers, order = [], []
+    batch = threading.Thread(target=lambda: (answers.extend(shard._run_group(queries)),
+                                             order.append("batch")), daemon=True)
+
+    def write_side():
+        with index._rw.write():
+            order.append("writer")
+
+    writer = threading.Thread(target=write_side, daemon=True)
+    threads = pools.cpu._max_workers
+    try:
+        batch.start()
+        assert in_dense.wait(30)
+        writer.start()
+        deadline = time.monotonic() + 10  # until the writer waits behind the batch
+        while index._rw._waiting_writers != 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert index._rw._waiting_writers == 1
+        fetches = [pools.cpu.submit(index.fetch, FetchRequest(desc.build_id, "alpha", (), (0, 1)))
+                   for _ in range(threads)]
+        for _ in range(threads):  # every `cpu` thread is in a fetch, queued for the read lock
+            assert fetching.acquire(timeout=30)
+        go.set()
+        batch.join(60)
+        writer.join(60)
+        assert not batch.is_alive() and not writer.is_alive(), "the shard deadlocked"
+        assert order == ["batch", "writer"]
+        assert all(f.result(60) for f in fetches)
+        assert len(answers) == 3 and all(a.lexical for a in answers)
+    finally:
+        go.set()
+        index.dense_search, index.fetch = inner_dense, inner_fetch
+        if not batch.is_alive():
+            asyncio.run(shard.close())
+            pools.close()
+
+
 def test_a_failed_batch_fails_its_queries_and_the_shard_keeps_serving(engine_build, rng):
     """The device thread's failure comes back through the loop callback to every query of its
     batch (and only those); the next batch runs; a shard whose device pool is gone answers
@@ -1365,3 +1435,25 @@ def test_a_document_written_several_times_in_one_group_ends_as_the_writes_in_ord
     finally:
         together.close()
         alone.close()
+
+
+def test_every_kind_of_shard_implements_the_whole_shard_interface():
+    """The core never asks which kind it holds (no hasattr): each kind answers every operation
+    of `shard_api.Shard`, the asynchronous ones as coroutines."""
+    import inspect
+
+    from server.core.engine.local import LocalShard
+    from server.core.faults import FaultyShard
+    from server.core.replicas import ReplicaSet
+    from server.core.shard_api import Shard
+    from server.transport.engine_link import EngineShard
+    from server.transport.shard_rpc import RemoteShard
+
+    operations = {name: value for name, value in vars(Shard).items() if not name.startswith("_")}
+    assert {"search", "fetch", "apply", "stored_versions", "info", "close",
+            "cache_version"} <= set(operations)
+    for kind in (LocalShard, RemoteShard, EngineShard, ReplicaSet, FaultyShard):
+        for name, value in operations.items():
+            assert hasattr(kind, name), f"{kind.__name__} lacks {name}"
+            if inspect.iscoroutinefunction(value):
+                assert inspect.iscoroutinefunction(getattr(kind, name)), (kind.__name__, name)

@@ -210,7 +210,8 @@ def test_reflection_lists_the_public_services(channel):
 def test_shard_threads_search_with_one_openmp_thread(server):
     """Regression: omp_set_num_threads in the main thread did not reach the executor threads that
     run faiss (libgomp counts per thread), so concurrent single-query searches oversubscribed the
-    cores with OpenMP workers (3.3x slower per search, bench/bench_service_overhead.py)."""
+    cores with OpenMP workers (3.3x slower per search, measured by a bench script since replaced
+    by bench/bench_engines.py: docs/BENCHMARKS.md)."""
     import faiss
 
     shard = server.core.registry.get("cran").shards[0]
@@ -250,6 +251,47 @@ def test_both_event_loops_serve_the_same_answers_and_a_bad_choice_fails_at_start
                           "--event-loop", "twisted"], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode != 0 and "not one of auto, uvloop, asyncio" in bad.stderr
+
+
+STOPPING = """
+import asyncio, logging, os, signal, sys, time
+from server.config import ListenConfig
+from server.transport import app
+
+class Stopping:  # what a server's stop waits for: {hang} (a hung engine or device thread) or not
+    async def stop(self, grace, delay):
+        if {hang}:
+            await asyncio.Event().wait()
+
+async def main():
+    asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
+    await app.wait_for_signal_then_stop(Stopping(), 0.1, 0.0)
+
+logging.basicConfig()
+app.run(main(), ListenConfig(event_loop="asyncio", shutdown_grace_s=0.1, shutdown_limit_s=1.0))
+time.sleep(2.0)  # past the budget: a stop that finished is not ended by the watchdog later
+print("stopped")
+"""
+
+
+@pytest.mark.parametrize("hang", [True, False])
+def test_a_stop_that_hangs_past_its_limit_exits_with_status_1_and_says_why(hang):
+    """Outside QA: shard servers and engines hung by a (since fixed) deadlock were still up 20 s
+    after SIGTERM. A stop now has --shutdown-delay-s + --shutdown-grace-s + --shutdown-limit-s;
+    one that finishes in time ends as before."""
+    import subprocess
+    import sys
+
+    from harness.processes import REPO
+
+    out = subprocess.run([sys.executable, "-c", STOPPING.format(hang=hang)], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    if hang:
+        assert out.returncode == 1 and "stopped" not in out.stdout
+        assert "did not stop within 1 s of the stop signal (--shutdown-limit-s)" in out.stderr
+    else:
+        assert out.returncode == 0 and out.stdout.strip() == "stopped", out.stderr
+        assert "did not stop" not in out.stderr
 
 
 def test_servers_run_with_the_configured_young_collection_threshold():

@@ -57,6 +57,9 @@ class FaultyShard:
     async def apply(self, writes, timeout: Optional[float] = None) -> list:
         return await self.inner.apply(writes, timeout)
 
+    async def stored_versions(self, keys, timeout: Optional[float] = None):
+        return await self.inner.stored_versions(keys, timeout)
+
     async def info(self, tenant: Optional[str] = None, digest: bool = False,
                    timeout: Optional[float] = None):
         return await self.inner.info(tenant, digest, timeout)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -47,9 +49,46 @@ def event_loop_runner(event_loop: str = "auto"):
 
 
 def run(main, listen: ListenConfig):
-    """Run a server's main coroutine to the end on the configured event loop."""
+    """Run a server's main coroutine to the end on the configured event loop. Once a stop signal
+    arrives (`arm_stop_watchdog`), the whole stop - draining, closing the core, the loop's own
+    clean-up - has --shutdown-delay-s + --shutdown-grace-s + --shutdown-limit-s."""
+    global _stop_budget_s
     tune_garbage_collector(listen.gc_threshold)
-    return event_loop_runner(listen.event_loop)(main)
+    _stop_budget_s = (listen.shutdown_delay_s + listen.shutdown_grace_s + listen.shutdown_limit_s
+                      if listen.shutdown_limit_s > 0 else 0.0)
+    try:
+        return event_loop_runner(listen.event_loop)(main)
+    finally:
+        if _watchdog is not None:
+            _watchdog.cancel()
+
+
+_stop_budget_s = 0.0  # set by run(); 0 = no limit
+_watchdog: Optional[threading.Timer] = None
+
+
+def arm_stop_watchdog(extra_s: float = 0.0) -> None:
+    """Called as a stop signal arrives: a process still stopping after its budget (plus
+    `extra_s`) logs why and exits with status 1. Outside QA found shard servers and engines, hung
+    by a (since fixed) deadlock, still up 20 s after SIGTERM, needing SIGKILL; a stop that waits
+    for a hung device thread would do the same. A thread, not a loop timer: the wait may block
+    the loop itself (a thread pool's shutdown). Acknowledged writes are durable either way."""
+    global _watchdog
+    if _stop_budget_s <= 0 or _watchdog is not None:
+        return
+    budget = _stop_budget_s + extra_s
+    _watchdog = threading.Timer(budget, _exit_stuck, args=(budget,))
+    _watchdog.daemon = True
+    _watchdog.start()
+
+
+def _exit_stuck(budget: float) -> None:
+    stuck = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    log.error("the process did not stop within %.0f s of the stop signal (--shutdown-limit-s): "
+              "exiting now with status 1 (threads still running: %s)", budget,
+              ", ".join(sorted(set(stuck)))[:500])
+    logging.shutdown()
+    os._exit(1)
 
 
 def tune_garbage_collector(threshold: int) -> None:
@@ -230,6 +269,7 @@ async def wait_for_signal_then_stop(running: RunningServer, grace: float = 5.0,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: (received.append(s), stop.set()))
     await stop.wait()
+    arm_stop_watchdog()
     log.info("shutting down: draining in-flight requests (grace %.1f s)", grace)
     await running.stop(grace, delay if received[0] == signal.SIGTERM else 0.0)
 

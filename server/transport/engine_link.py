@@ -500,6 +500,8 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
                       f"front-end processes, one engine){note}{app.loop_note()}", flush=True)
             await stop.wait()
         finally:
+            # the front ends' own stops, then ours (their 10 s margin below included)
+            app.arm_stop_watchdog(extra_s=10.0)
             stop.set()  # the watcher restarts no front end from here on
             for c in children:  # front ends drain their calls; the engine answers until they exit
                 if c.poll() is None:

@@ -36,19 +36,30 @@ PROBE_TIMEOUT_S = 5.0
 
 @dataclass
 class EnginePools:
-    """Threads shared by every shard of one engine process."""
+    """Threads shared by every shard of one engine process.
+
+    `cpu` runs work that takes a shard's read lock itself (fetches, statistics rounds, info,
+    version reads) and the pipeline's CPU work. `lexical` runs only the BM25 searches a batch
+    fans out while its device thread holds that shard's read lock, and nothing that takes the lock:
+    on `cpu`, a batch holding the lock waited for threads that were all fetches queued for it
+    behind a waiting write (the lock lets a waiting writer go first), and the shard hung for
+    good (outside QA: writes beside SearchBatch and Search)."""
 
     cpu: ThreadPoolExecutor
+    lexical: ThreadPoolExecutor
     faiss_threads: int = 1
 
     @classmethod
     def create(cls, search_threads: int = 8, faiss_threads: int = 1) -> "EnginePools":
-        return cls(ThreadPoolExecutor(max(1, search_threads), thread_name_prefix="engine-cpu",
+        threads = max(1, search_threads)
+        return cls(ThreadPoolExecutor(threads, thread_name_prefix="engine-cpu",
                                       initializer=faiss_threads_initializer(faiss_threads)),
+                   ThreadPoolExecutor(threads, thread_name_prefix="engine-bm25"),
                    faiss_threads)
 
     def close(self) -> None:
         self.cpu.shutdown(wait=True)
+        self.lexical.shutdown(wait=True)
 
 
 def dense_workers(configured: int, placement: str) -> int:
@@ -125,7 +136,7 @@ class LocalShard:
     # --- the shard interface -----------------------------------------------------------------
     def _run_group(self, queries: Sequence[ShardQuery]):
         texts = sum(1 for q in queries if q.text and not q.stats_only)
-        lexical_map = self.pools.cpu.map if texts > 1 else map
+        lexical_map = self.pools.lexical.map if texts > 1 else map  # never `cpu` (EnginePools)
         return self.index.search_group(queries, lexical_map)
 
     @property
