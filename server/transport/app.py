@@ -52,15 +52,16 @@ def run(main, listen: ListenConfig):
     """Run a server's main coroutine to the end on the configured event loop. Once a stop signal
     arrives (`arm_stop_watchdog`), the whole stop - draining, closing the core, the loop's own
     clean-up - has --shutdown-delay-s + --shutdown-grace-s + --shutdown-limit-s."""
-    global _stop_budget_s
+    global _stop_budget_s, _watchdog
     tune_garbage_collector(listen.gc_threshold)
     _stop_budget_s = (listen.shutdown_delay_s + listen.shutdown_grace_s + listen.shutdown_limit_s
                       if listen.shutdown_limit_s > 0 else 0.0)
     try:
         return event_loop_runner(listen.event_loop)(main)
-    finally:
+    finally:  # this run's stop is over: nothing after it is timed by it (review)
         if _watchdog is not None:
             _watchdog.cancel()
+        _watchdog, _stop_budget_s = None, 0.0
 
 
 _stop_budget_s = 0.0  # set by run(); 0 = no limit

@@ -506,12 +506,14 @@ def run_engine_with_frontends(cfg: ServerConfig, device, tls) -> None:
             for c in children:  # front ends drain their calls; the engine answers until they exit
                 if c.poll() is None:
                     c.send_signal(signal.SIGTERM)
-            for c in children:
+            async def reap(c: subprocess.Popen) -> None:
                 try:
                     await asyncio.wait_for(loop.run_in_executor(None, c.wait),
                                            cfg.listen.shutdown_delay_s + cfg.listen.shutdown_grace_s + 10)
                 except asyncio.TimeoutError:
                     c.kill()
+
+            await asyncio.gather(*(reap(c) for c in children))  # at once: one wait in all
             for t in tasks:
                 t.cancel()
             await engine.close()

@@ -3,9 +3,10 @@ write queue - behind the complete shard interface (server/core/shard_api.py).
 
 The engine owns its index and device: searches reach the index only through the scheduler's
 batches, writes only through the write queue's group commits. Threads: `device` runs the batched
-searches (`dense_workers` of them, faiss with its configured OpenMP threads), the shared `cpu`
-pool runs BM25 searches, record reads and descriptions, and one writer thread per shard applies
-write groups in order. Nothing here blocks the event loop.
+searches (`dense_workers` of them, faiss with its configured OpenMP threads), the shared
+`lexical` pool a batch's BM25 searches, the shared `cpu` pool record reads, statistics rounds,
+version reads and descriptions, and one writer thread per shard applies write groups in order.
+Nothing here blocks the event loop.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ PROBE_TIMEOUT_S = 5.0
 class EnginePools:
     """Threads shared by every shard of one engine process.
 
-    `cpu` runs work that takes a shard's read lock itself (fetches, statistics rounds, info,
-    version reads) and the pipeline's CPU work. `lexical` runs only the BM25 searches a batch
+    `cpu` runs work that takes a shard's read lock itself (fetches, statistics rounds), other
+    reads (info, stored versions) and the pipeline's CPU work. `lexical` runs only the BM25 searches a batch
     fans out while its device thread holds that shard's read lock, and nothing that takes the lock:
     on `cpu`, a batch holding the lock waited for threads that were all fetches queued for it
     behind a waiting write (the lock lets a waiting writer go first), and the shard hung for
@@ -273,9 +274,9 @@ class LocalShard:
 
     async def stored_versions(self, keys: Sequence[tuple[str, str]],
                               timeout: Optional[float] = None) -> StoredVersions:
-        # a SQLite read: off the event loop, and not behind a running group commit (a version
-        # read before that group's flip is lower, never higher: the write is embedded and the
-        # group commit's own rule decides, as without this read)
+        # one SQLite read off the event loop, taking no shard lock (a version read before a
+        # concurrent group's flip is lower, never higher: that write is embedded and the group
+        # commit's own rule decides, as without this read)
         return await asyncio.get_running_loop().run_in_executor(
             self.pools.cpu, self.index.stored_versions, list(keys))
 
