@@ -40,11 +40,11 @@ class EnginePools:
     """Threads shared by every shard of one engine process.
 
     `cpu` runs work that takes a shard's read lock itself (fetches, statistics rounds), other
-    reads (info, stored versions) and the pipeline's CPU work. `lexical` runs only the BM25 searches a batch
-    fans out while its device thread holds that shard's read lock, and nothing that takes the lock:
-    on `cpu`, a batch holding the lock waited for threads that were all fetches queued for it
-    behind a waiting write (the lock lets a waiting writer go first), and the shard hung for
-    good (outside QA: writes beside SearchBatch and Search)."""
+    reads (info, stored versions) and the pipeline's CPU work. `lexical` runs only the BM25
+    searches a batch fans out while its device thread holds that shard's read lock, and nothing
+    that takes the lock: on `cpu`, a batch holding the lock waited for threads that were all
+    fetches queued for it behind a waiting write (the lock lets a waiting writer go first), and
+    the shard hung for good (outside QA: writes beside SearchBatch and Search)."""
 
     cpu: ThreadPoolExecutor
     lexical: ThreadPoolExecutor
