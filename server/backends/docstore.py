@@ -280,15 +280,9 @@ class DocStore:
     def versions_of(self, keys: Sequence[tuple[str, str]]) -> tuple[dict[tuple[str, str], int], int]:
         """(the version of each of these documents the store holds, tombstones included; the
         index version) read in one transaction: one flip's state (flips move both in one)."""
-        def run(conn):
-            out = {}
-            for tenant, doc_id in keys:
-                row = conn.execute("SELECT version FROM documents WHERE tenant=? AND doc_id=?",
-                                   (tenant, doc_id)).fetchone()
-                if row is not None:
-                    out[(tenant, doc_id)] = row[0]
-            v = conn.execute("SELECT value FROM meta WHERE key='index_version'").fetchone()
-            return out, int(v[0]) if v and v[0] else 0
+        def run(_conn):  # both reads use this thread's connection, inside the transaction
+            found = self.documents_of(keys)
+            return {key: version for key, (version, _) in found.items()}, self.index_version()
 
         return self._transaction(run, immediate=False)
 

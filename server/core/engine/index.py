@@ -641,7 +641,7 @@ class ShardIndex:
         version read never waits behind a group commit (review: under the read lock it held a
         thread of the pool every shard shares while a commit waited, stalling other shards'
         fetches)."""
-        return StoredVersions(*self.store.versions_of(list(dict.fromkeys(keys))))
+        return StoredVersions(*self.store.versions_of(keys))
 
     def _apply_group(self, writes: Sequence[ShardWrite]) -> list[WriteOutcome]:
         stored = self.store.documents_of(list(dict.fromkeys(w.key for w in writes)))
