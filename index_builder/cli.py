@@ -783,7 +783,7 @@ def main(argv=None) -> None:
 
     limit_openmp_spinning()  # before anything loads torch's or faiss's OpenMP runtime
     args = build_parser().parse_args(argv)
-    from server.errors import SearchError
+    from server.errors import STORAGE_CONDITION_WORDS, SearchError, storage_condition
 
     try:
         data_dir = getattr(args, "data_dir", None)
@@ -805,6 +805,20 @@ def main(argv=None) -> None:
               + ("; an unfinished build was removed" if args.command == "build" else ""),
               file=sys.stderr)
         rc = 130
+    except Exception as exc:
+        # storage refusing (a full volume: SQLite's "database or disk is full", an OSError, a
+        # tantivy error) is the operator's to fix, and said in one line (outside QA: a
+        # traceback); an unfinished build is already removed
+        condition = storage_condition(exc)
+        if condition is None:
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"index-builder {args.command}: error: the storage under --data-dir is "
+              f"{STORAGE_CONDITION_WORDS[condition]}"
+              f" ({type(exc).__name__}: {first})"
+              + ("; the unfinished build was removed" if args.command == "build" else ""),
+              file=sys.stderr)
+        rc = 2
     sys.exit(rc)
 
 

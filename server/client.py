@@ -24,14 +24,17 @@ import grpc
 import numpy as np
 
 from server.config import optional_path
-from server.core.limits import MAX_BATCH_QUERIES, MAX_MESSAGE_BYTES
+from server.core.limits import (MAX_BATCH_QUERIES, MAX_MESSAGE_BYTES, MAX_RESPONSE_BYTES,
+                                RESPONSE_FULL_NOTE)
 from server.rpc import search_pb2 as pb
 from server.rpc import search_pb2_grpc as pb_grpc
 
 MODES = {"dense": pb.DENSE, "lexical": pb.LEXICAL, "hybrid": pb.HYBRID}
-# servers send answers of up to 64 MiB (a SearchBatch of 1,024 queries with deep pages); a batch
-# whose answer is larger still is split in two and retried (SearchClient.search_batch)
-MAX_ANSWER_BYTES = 64 * 1024 * 1024
+# servers send answers of up to 64 MiB (a SearchBatch of 1,024 queries with deep pages); the
+# queries of a batch whose answers do not all fit come back RESOURCE_EXHAUSTED in their slots, and
+# are sent again in another call (SearchClient.search_batch); a batch refused whole for its size
+# (by an older server, or a client's smaller limit) is split in two and retried
+MAX_ANSWER_BYTES = MAX_RESPONSE_BYTES
 
 
 # Searches a server answers UNAVAILABLE (it is draining for a restart, or starting) are tried
@@ -201,8 +204,17 @@ class SearchClient:
                 raise
             half = len(chunk) // 2
             return self._batch(chunk[:half], timeout) + self._batch(chunk[half:], timeout)
-        return [BatchResult(_CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.message,
-                            item.response if item.code == 0 else None) for item in resp.results]
+        results = [BatchResult(_CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.message,
+                               item.response if item.code == 0 else None)
+                   for item in resp.results]
+        # answers that did not fit beside the others in the server's response: sent again, in a
+        # call of their own (each call answers at least one of them, so this ends)
+        again = [i for i, r in enumerate(results) if r.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                 and RESPONSE_FULL_NOTE in r.message]
+        if again and len(again) < len(chunk):
+            for i, r in zip(again, self._batch([chunk[i] for i in again], timeout)):
+                results[i] = r
+        return results
 
     def _send_batch(self, chunk: list[pb.SearchRequest],
                     timeout: Optional[float]) -> pb.SearchBatchResponse:

@@ -184,6 +184,9 @@ class EngineConfig:
     record_cache_rows: int = opt(50_000, "chunk records (text, ids, metadata) each shard keeps in "
                                          "memory for the hits it ships, least recently used out "
                                          "first; 0 = read every one from SQLite")
+    record_cache_mb: int = opt(256, "at most this much text (MiB) in each shard's record cache, "
+                                    "whatever --record-cache-rows allows (chunks written with "
+                                    "texts of up to a million characters)", minimum=1)
 
 
 @dataclass

@@ -61,25 +61,71 @@ class PermissionDenied(SearchError):
     """Valid credentials, but not allowed to do this."""
 
 
+class ResponseTooLarge(SearchError):
+    """An answer larger than a response may carry (limits.MAX_RESPONSE_BYTES): found before it
+    is written out, not by gRPC after the whole of it is built."""
+
+
 class StorageFull(SearchError):
     """The volume a write (or a load) needs to write to is full; nothing is damaged."""
 
 
-def is_storage_full(exc: Optional[BaseException]) -> bool:
-    """Whether `exc` (or an exception it was raised from) says the storage under it is full,
-    however its library puts it: an OSError (ENOSPC, EDQUOT), SQLite's "database or disk is
-    full", tantivy's I/O error text."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(exc)
-        if any(s in text for s in ("database or disk is full", "No space left on device",
-                                   "Disk quota exceeded", "StorageFull")):
-            return True
+# What storage says when it refuses, by condition, however its library puts it (an OSError's
+# errno, SQLite's and tantivy's texts): the condition decides the status a caller gets (outside
+# QA: a lock held by a backup job, a volume remounted read-only and a deleted state directory all
+# answered INTERNAL, and a lock at start was called damage, with "remove the state" as its fix)
+_CONDITIONS = (
+    ("full", (errno.ENOSPC, errno.EDQUOT),
+     ("database or disk is full", "No space left on device", "Disk quota exceeded", "StorageFull")),
+    ("locked", (), ("database is locked", "database table is locked")),
+    ("read-only", (errno.EROFS, errno.EACCES, errno.EPERM),
+     ("attempt to write a readonly database", "Read-only file system", "Permission denied")),
+    ("missing", (errno.ENOENT,),
+     ("unable to open database file", "No such file or directory", "Failed to open file for write")),
+    ("io", (errno.EIO,), ("disk I/O error", "Input/output error")),
+)
+STORAGE_CONDITION_WORDS = {"full": "full", "locked": "locked by another process",
+                           "read-only": "read-only (or not permitted)",
+                           "missing": "missing a file it needs", "io": "failing (an I/O error)"}
+
+
+def storage_condition(exc: Optional[BaseException]) -> Optional[str]:
+    """'full', 'locked', 'read-only', 'missing' or 'io' when `exc` (or an exception it was
+    raised from) is storage refusing, the first of them in that order; None for anything else."""
+    chain = []
+    while exc is not None and all(exc is not e for e in chain):
+        chain.append(exc)
         exc = exc.__cause__ or exc.__context__
-    return False
+    texts_of = [str(e) for e in chain]
+    for name, numbers, texts in _CONDITIONS:
+        for e, text in zip(chain, texts_of):
+            if (isinstance(e, OSError) and e.errno in numbers) or any(t in text for t in texts):
+                return name
+    return None
+
+
+def storage_error(exc: BaseException, where: str, retry: str) -> Optional[SearchError]:
+    """The clear error for storage refusing (`storage_condition`), or None. `where` names what
+    could not be written (a path), `retry` what becomes of the request (e.g. "the write may not
+    have been applied: ... send it again")."""
+    condition = storage_condition(exc)
+    if condition is None:
+        return None
+    why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    if condition == "full":
+        return StorageFull(f"{where}: its volume is full ({why}); {retry}, once there is room")
+    if condition == "locked":
+        return Unavailable(f"{where}: another process holds a lock on it ({why}: a backup job, an "
+                           f"sqlite3 shell?); nothing is damaged; {retry}, once it is released")
+    what = {"read-only": "cannot be written (read-only or not permitted)",
+            "missing": "is missing (removed while in use?)",
+            "io": "failed to write (an I/O error: is the volume healthy?)"}[condition]
+    return FailedPrecondition(f"{where} {what} ({why}); {retry}, once it is fixed")
+
+
+def is_storage_full(exc: Optional[BaseException]) -> bool:
+    """Whether `exc` (or an exception it was raised from) says the storage under it is full."""
+    return storage_condition(exc) == "full"
 
 
 class IndexCorruptError(SearchError):

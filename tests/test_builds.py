@@ -1051,6 +1051,52 @@ def test_a_build_id_reused_after_a_prune_is_refused_not_served_over_the_earlier_
         start_core_server(tmp_path, tiny_embedder)
 
 
+def test_a_compaction_or_build_on_a_full_volume_says_so_and_changes_nothing(
+        tmp_path, tiny_embedder, cranfield_docs, monkeypatch, capsys):
+    """A volume that fills while a compaction writes its build: RESOURCE_EXHAUSTED naming the
+    compaction, the live build still serving, nothing half-made listed (outside QA: INTERNAL
+    OperationalError). The builder on a full volume: one line naming the condition, exit 2
+    (outside QA: a traceback). SQLite's own error is raised where the build would write."""
+    import sqlite3
+
+    from conftest import publish_build
+    from index_builder import build as builder
+    from index_builder.cli import main as builder_main
+    from server.core import compaction
+    from server.core.collection import CollectionStore
+
+    def full(*args, **kwargs):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    live = publish_build(tmp_path, "c", cranfield_docs[:20], tiny_embedder)
+    srv = start_core_server(tmp_path, tiny_embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            admin = pb_grpc.AdminServiceStub(ch)
+            monkeypatch.setattr(compaction, "compact_build", full)
+            with pytest.raises(grpc.RpcError) as err:
+                admin.Compact(pb.CompactRequest(collection="c"), timeout=300)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+            assert "compaction of c" in err.value.details() and "full" in err.value.details()
+            assert f"{live.build_id} keeps serving" in err.value.details()
+            hits = pb_grpc.SearchServiceStub(ch).Search(pb.SearchRequest(
+                collection="c", text="flow", top_k=3, mode=pb.LEXICAL), timeout=30)
+            assert hits.build_id == live.build_id and len(hits.hits) == 3
+    finally:
+        srv.stop()
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "1", "text": "one"}\n')
+    monkeypatch.setattr(builder, "build_collection", full)
+    with pytest.raises(SystemExit) as exit_:
+        builder_main(["build", "--data-dir", str(tmp_path), "--collection", "d", "--corpus",
+                      str(corpus), "--model-id", "m"])
+    err_text = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err_text, err_text
+    assert "index-builder build: error: the storage under --data-dir is full" in err_text
+    assert CollectionStore(tmp_path).builds("c") == [live.build_id]  # no half build listed
+
+
 def test_a_build_whose_directories_a_failing_first_build_removes_goes_on(tmp_path):
     """Review: two first builds of one collection - A fails and removes the empty directories
     made for it while B is between making them and opening its lock file there: B failed with

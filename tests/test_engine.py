@@ -352,6 +352,15 @@ def test_the_record_cache_is_bounded_and_drops_the_least_recently_used(engine_bu
         assert list(cache._records) == [7, 8, 9, 5, 10]
         off = RecordCache(0)
         assert off.read([1, 2], index.live, index.store).keys() == {1, 2} and not off._records
+        # and by bytes: room for the three records read last, whatever the rows allow (texts of
+        # a million characters would make 50,000 rows 50 GB)
+        sizes = [cache._size(first[r]) for r in range(10)]
+        by_bytes = RecordCache(1000, max_bytes=sum(sizes[7:]))
+        by_bytes.read(list(range(10)), index.live, index.store)
+        assert list(by_bytes._records) == [7, 8, 9] and by_bytes.bytes == sum(sizes[7:])
+        by_bytes.read([0], index.live, index.store)   # evicts 7 and, if 0 is longer, 8 too
+        assert list(by_bytes._records)[-1] == 0 and by_bytes.bytes <= by_bytes.max_bytes
+        assert by_bytes.bytes == sum(cache._size(r) for r in by_bytes._records.values())
     finally:
         asyncio.run(shard.close())
         pools.close()

@@ -416,6 +416,127 @@ def test_writes_survive_a_restart(tmp_path, tiny_embedder, cranfield_docs):
     served_after_a_restart()
 
 
+def test_storage_that_refuses_is_named_by_its_condition():
+    """Full, locked, read-only, missing and failing storage, however the library says it (an
+    OSError, SQLite's text, tantivy's, a cause of another error), each to the status a caller
+    can act on; anything else is not storage's."""
+    import errno
+    import sqlite3 as sq
+
+    from server.errors import (FailedPrecondition, StorageFull, Unavailable, storage_condition,
+                               storage_error)
+
+    def chained(inner):
+        try:
+            try:
+                raise inner
+            except Exception as exc:
+                raise RuntimeError("a write group failed") from exc
+        except RuntimeError as outer:
+            return outer
+
+    cases = {
+        OSError(errno.ENOSPC, "No space left on device"): ("full", StorageFull),
+        sq.OperationalError("database or disk is full"): ("full", StorageFull),
+        sq.OperationalError("database is locked"): ("locked", Unavailable),
+        chained(sq.OperationalError("database is locked")): ("locked", Unavailable),
+        sq.OperationalError("attempt to write a readonly database"): ("read-only", FailedPrecondition),
+        OSError(errno.EROFS, "Read-only file system"): ("read-only", FailedPrecondition),
+        ValueError("Failed to open file for write: 'IoError { io_error: Os { code: 2 }'"):
+            ("missing", FailedPrecondition),
+        sq.OperationalError("disk I/O error"): ("io", FailedPrecondition),
+        # a full volume anywhere in the chain wins over the I/O error SQLite reports for it
+        chained(OSError(errno.ENOSPC, "No space left on device")): ("full", StorageFull),
+    }
+    for exc, (condition, kind) in cases.items():
+        assert storage_condition(exc) == condition, exc
+        clear = storage_error(exc, "shard 0's state /s", "send it again")
+        assert type(clear) is kind and "shard 0's state /s" in str(clear), (exc, clear)
+    for other in (ValueError("bad vector"), KeyError("x"), sq.DatabaseError("file is not a database")):
+        assert storage_condition(other) is None and storage_error(other, "x", "y") is None
+
+
+def _state_store(data):
+    (path,) = (data / ".state").rglob("docstore.sqlite")
+    return path
+
+
+def test_a_store_locked_by_another_process_is_unavailable_not_damaged(tmp_path, tiny_embedder,
+                                                                      cranfield_docs, monkeypatch):
+    """Another process (a backup job, an sqlite3 shell) holding a lock on a shard's store past
+    the busy timeout: a write answers UNAVAILABLE naming the lock, changes nothing and goes
+    through once the lock is released; a start fails naming the lock, never calling the store
+    damaged or telling the operator to remove the state (outside QA: INTERNAL for the write, and
+    at start "unreadable ... remove the shard's state" - which loses every streaming write)."""
+    from server.backends import docstore
+    from server.errors import Unavailable
+
+    monkeypatch.setattr(docstore, "BUSY_TIMEOUT_S", 0.3)  # SQLite's wait, before it gives up
+    publish_build(tmp_path, "live", cranfield_docs[:20], tiny_embedder)
+    srv = start_core_server(tmp_path, tiny_embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            assert upsert(stub, "kept-1", 1, "zyxkept written before the lock").outcome == APPLIED
+            holder = sqlite3.connect(_state_store(tmp_path), isolation_level=None)
+            holder.execute("BEGIN IMMEDIATE")
+            try:
+                with pytest.raises(grpc.RpcError) as err:
+                    upsert(stub, "locked-1", 1, "zyxlocked written under the lock")
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "lock" in err.value.details() and "send it again" in err.value.details()
+                assert docs_for(stub, "zyxlocked")[0] == []  # changed nothing
+                assert docs_for(stub, "zyxkept")[0] == ["kept-1"]  # and searches answer
+            finally:
+                holder.execute("ROLLBACK")
+                holder.close()
+            assert upsert(stub, "locked-1", 1, "zyxlocked written under the lock").outcome == APPLIED
+            assert docs_for(stub, "zyxlocked")[0] == ["locked-1"]
+    finally:
+        srv.stop()
+
+    holder = sqlite3.connect(_state_store(tmp_path), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # the start's recovery writes, and waits for it
+    try:
+        with pytest.raises(Unavailable) as err:
+            start_core_server(tmp_path, tiny_embedder)
+        assert "lock" in str(err.value) and "nothing is damaged" in str(err.value)
+        assert "remove" not in str(err.value) and "unreadable" not in str(err.value)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    again = start_core_server(tmp_path, tiny_embedder)  # released: every write is there
+    try:
+        with grpc.insecure_channel(again.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            assert docs_for(stub, "zyxkept")[0] == ["kept-1"]
+            assert docs_for(stub, "zyxlocked")[0] == ["locked-1"]
+    finally:
+        again.stop()
+
+
+def test_a_state_directory_removed_while_serving_fails_writes_by_name_not_internal(
+        tmp_path, tiny_embedder, cranfield_docs):
+    """The shard's state directory deleted under a running server: writes answer
+    FAILED_PRECONDITION naming the state (outside QA: INTERNAL ValueError, tantivy's "Failed to
+    open file for write")."""
+    import shutil
+
+    publish_build(tmp_path, "live", cranfield_docs[:20], tiny_embedder)
+    srv = start_core_server(tmp_path, tiny_embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            assert upsert(stub, "before-1", 1, "zyxbefore a write").outcome == APPLIED
+            shutil.rmtree(tmp_path / ".state")
+            with pytest.raises(grpc.RpcError) as err:
+                upsert(stub, "after-1", 1, "zyxafter a write with no state")
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+            assert ".state" in err.value.details() and "missing" in err.value.details()
+    finally:
+        srv.stop()
+
+
 def test_a_second_engine_on_the_same_state_is_refused_naming_it(live_build, live):
     """Regression (issue 10.5): a shard server reading a state another process wrote to answered
     INTERNAL (IndexError in candidates); one engine per state directory is now enforced."""

@@ -327,17 +327,110 @@ def test_index_time_samples_are_per_collection_and_shard():
     assert (count("dense") - before[0], count("lexical") - before[1]) == (3, 0)
 
 
+def test_answers_past_the_response_limit_come_back_in_their_slots_and_are_sent_again(
+        vector_collection, tmp_path, monkeypatch):
+    """Answers share one response budget, counted as they are written. With room for two
+    answers of 8 long passages each, a SearchBatch of 6 answers two and gives the other four
+    RESOURCE_EXHAUSTED naming the response size limit (before: the whole response was built -
+    gigabytes with long enough texts - and then refused by gRPC); SearchClient sends those four
+    again until all six are answered, each as a single Search answers it. An answer too large on
+    its own is refused as that, in its slot and as a Search, and is not sent again."""
+    from server.client import SearchClient
+    from server.core import limits
+
+    srv = start_core_server(vector_collection[0], None, pipeline={"retrieval_cache_size": 0},
+                            storage={"state_dir": tmp_path / "state"})
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+    try:
+        with grpc.insecure_channel(srv.address, options=[
+                ("grpc.max_receive_message_length", 64 * 2**20)]) as ch:
+            stub = pb_grpc.SearchServiceStub(ch)
+            rng = np.random.default_rng(11)
+            for i in range(8):
+                v = rng.standard_normal(DIM).astype(np.float32)
+                text = f"zqbig passage {i} " + "filler " * 8_000  # ~56 KB
+                assert stub.UpsertDocument(pb.UpsertDocumentRequest(
+                    collection="vec", doc_id=f"big-{i}", version=1, vector_model_id=MODEL,
+                    chunks=[pb.ChunkInput(text=text, vector=v.tolist())]),
+                    timeout=30).outcome == pb.WriteResponse.APPLIED
+            queries = [pb.SearchRequest(collection="vec", top_k=k, mode=pb.LEXICAL, text="zqbig")
+                       for k in (8, 9, 10, 11, 12, 13)]  # six queries, the same eight hits
+            singles = [[h.chunk_id for h in stub.Search(q, timeout=30).hits] for q in queries]
+            assert all(len(s) == 8 for s in singles)
+            one_answer = stub.Search(queries[0], timeout=30).ByteSize()
+
+            monkeypatch.setattr(limits, "ANSWERS_BUDGET_BYTES", int(2.5 * one_answer))
+            got = stub.SearchBatch(pb.SearchBatchRequest(queries=queries), timeout=30).results
+            ok = [i for i, item in enumerate(got) if item.code == 0]
+            assert len(ok) == 2, [(item.code, item.message[:80]) for item in got]
+            for i, item in enumerate(got):
+                if item.code == 0:
+                    assert [h.chunk_id for h in item.response.hits] == singles[i]
+                else:
+                    assert item.code == exhausted.value[0] and not item.HasField("response")
+                    assert limits.RESPONSE_FULL_NOTE in item.message
+            with SearchClient(srv.address, timeout=30) as client:
+                answers = list(client.search_batch(queries))
+            assert [a.code for a in answers] == [grpc.StatusCode.OK] * 6
+            assert [[h.chunk_id for h in a.response.hits] for a in answers] == singles
+
+            monkeypatch.setattr(limits, "ANSWERS_BUDGET_BYTES", one_answer // 2)
+            alone = stub.SearchBatch(pb.SearchBatchRequest(queries=queries[:2]), timeout=30).results
+            assert [item.code for item in alone] == [exhausted.value[0]] * 2
+            assert all("ask for fewer hits" in item.message
+                       and limits.RESPONSE_FULL_NOTE not in item.message for item in alone)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Search(queries[0], timeout=30)
+            assert err.value.code() == exhausted and "ask for fewer hits" in err.value.details()
+            with SearchClient(srv.address, timeout=30) as client:  # refused, and not again
+                assert [a.code for a in client.search_batch(queries[:2])] == [exhausted] * 2
+    finally:
+        srv.stop()
+
+
+def test_a_shard_message_carries_texts_up_to_its_budget_and_the_rest_as_rows():
+    """A shard server's answer to a router shares one room for hit texts across the message's
+    results: past it, hits travel as row, chunk id and text fingerprint (the router fetches the
+    texts its pages show), and nothing is lost. Before, every text was built into the message
+    and gRPC refused it whole (a shard server holding gigabytes for a batch of long texts)."""
+    from server.backends.docstore import ChunkRecord
+    from server.core.types import Candidate, ShardResult
+    from server.transport import codec
+
+    def cand(i):
+        rec = ChunkRecord(i, 100 + i, f"d{i}", 0, 0, 10_000, "t", "x" * 10_000, "default", {},
+                          ("@all",), 7000 + i)
+        return Candidate(rec.chunk_id, 1.0 / (i + 1), rec, 0)
+
+    room = codec.TextBudget(int(2.5 * codec.record_bytes(cand(0).record)))
+    first = codec.shard_result_to_pb(ShardResult(0, "v", [cand(0), cand(1)], []), 0, room)
+    second = codec.shard_result_to_pb(ShardResult(0, "v", [cand(2)], [cand(3)]), 0, room)
+    shipped = list(first.dense) + list(second.dense) + list(second.lexical)
+    assert [h.has_text for h in shipped] == [True, True, False, False]
+    assert [len(h.text) for h in shipped] == [10_000, 10_000, 0, 0]
+    back = codec.shard_result_from_pb(second)
+    assert back.dense[0].record.text is None  # the router fetches it
+    assert [(c.record.row, c.chunk_id, c.record.text_hash) for c in back.dense + back.lexical] == \
+        [(2, 102, 7002), (3, 103, 7003)]
+
+
 @pytest.mark.parametrize("chunk, messages", [(4, 4), (0, 1)])
 def test_a_large_batch_runs_in_chunks_of_one_message_per_shard_with_the_same_answers(
         vector_collection, tmp_path, chunk, messages):
-    """With batch_chunk 4, 14 queries reach each shard as 4 messages (the chunks run at once, so
-    one chunk's assembly overlaps another's search); with 0 as one. Either way every query is
-    answered in its own slot, exactly as a single Search answers it, bad ones failing alone (one
-    of them in the last chunk)."""
+    """With batch_chunk 4, the 14 queries of 16 that parse reach each shard as 4 messages (the
+    chunks run at once, so one chunk's assembly overlaps another's search, and each chunk's
+    answers are written into their slots as it finishes); with 0 as one. Either way every query
+    is answered in its own slot, exactly as a single Search answers it, bad ones failing alone:
+    two that do not parse (which shift every later query's place among the chunks) and two the
+    pipeline refuses (one of them in the last chunk)."""
     q = vector_collection[3]
-    queries = [vreq(v) for v in q[:14]]
-    queries[3] = vreq(np.ones(DIM + 1))
-    queries[13] = vreq(q[0], model="other@1")
+    queries = [vreq(v) for v in q[:16]]
+    queries[0].mode = 99                                 # refused as it is read
+    queries[6].vector.values_f32 = b"12345"              # likewise
+    del queries[6].vector.values[:]
+    queries[3] = vreq(np.ones(DIM + 1))                  # refused by the pipeline
+    queries[13] = vreq(q[0], model="other@1")            # likewise
+    bad = (0, 3, 6, 13)
     srv = start_core_server(vector_collection[0], None,  # no cache: every query is searched
                             pipeline={"batch_chunk": chunk, "retrieval_cache_size": 0},
                             storage={"state_dir": tmp_path / "state"})
@@ -345,17 +438,30 @@ def test_a_large_batch_runs_in_chunks_of_one_message_per_shard_with_the_same_ans
     try:
         with grpc.insecure_channel(srv.address) as ch:
             stub = pb_grpc.SearchServiceStub(ch)
-            singles = {i: stub.Search(r, timeout=10) for i, r in enumerate(queries) if i not in (3, 13)}
+            singles = {i: stub.Search(r, timeout=10) for i, r in enumerate(queries) if i not in bad}
             for shard in shards_of(srv, "vec"):
                 def counted(batch, timeout=None, inner=shard.search, no=shard.shard_no):
                     calls.append((no, len(batch)))
                     return inner(batch, timeout)
                 shard.search = counted
+            parts = []  # (first query, answers) as the pipeline hands each part to the servicer
+            pipeline_search = srv.core.pipeline.search
+
+            async def noted(queries_, tenant, scopes, deadline, on_part=None):
+                def note(first, answers):
+                    parts.append((first, len(answers)))
+                    on_part(first, answers)
+                return await pipeline_search(queries_, tenant, scopes, deadline, note)
+            srv.core.pipeline.search = noted
             got = stub.SearchBatch(pb.SearchBatchRequest(queries=queries), timeout=30).results
     finally:
         srv.stop()
-    assert len(got) == 14
-    assert got[3].code == got[13].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    # each part is handed over on its own, as it is answered (the servicer encodes it then)
+    assert sorted(parts) == ([(0, 4), (4, 4), (8, 4), (12, 2)] if chunk else [(0, 14)])
+    assert len(got) == 16
+    for i in bad:
+        assert got[i].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and got[i].message
+        assert not got[i].HasField("response")
     for i, single in singles.items():
         assert got[i].code == 0 and len(single.hits) == 10
         assert [h.chunk_id for h in got[i].response.hits] == [h.chunk_id for h in single.hits]

@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from server.errors import FailedPrecondition, IndexCorruptError, InvalidArgument
+from server.errors import FailedPrecondition, IndexCorruptError, InvalidArgument, storage_error
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS chunks (
@@ -76,6 +76,10 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 PENDING, LIVE, DEAD, ORPHAN = 0, 1, 2, 3
 STATE_NAMES = {PENDING: "pending", LIVE: "live", DEAD: "dead", ORPHAN: "orphan"}
+# how long a statement waits for another connection's lock (another process's: a backup job, an
+# sqlite3 shell) before SQLite says "database is locked": a write then answers UNAVAILABLE, a
+# start fails naming the lock (errors.storage_error)
+BUSY_TIMEOUT_S = 30.0
 SCHEMA_VERSION = "3"  # 2: documents keyed by (tenant, doc_id); 3: text_hash, log_seq, replayable writes
 
 FILTER_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -210,7 +214,10 @@ class DocStore:
                 conn.execute("SELECT count(*) FROM chunks").fetchone()
                 version = self.get_meta("schema_version")
             except sqlite3.DatabaseError as exc:
-                raise IndexCorruptError(f"document store {self.path} is unreadable: {exc}") from exc
+                clear = storage_error(exc, f"document store {self.path}", "nothing is damaged: "
+                                      "open it again")  # a lock, a volume: not damage
+                raise clear or IndexCorruptError(
+                    f"document store {self.path} is unreadable: {exc}") from exc
             if version != SCHEMA_VERSION:
                 raise FailedPrecondition(
                     f"document store {self.path} has schema {version or '1'}; this release reads "
@@ -220,10 +227,10 @@ class DocStore:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             if self.read_only:  # a published build, possibly on a read-only volume
-                conn = sqlite3.connect(read_only_uri(self.path), uri=True, timeout=30,
+                conn = sqlite3.connect(read_only_uri(self.path), uri=True, timeout=BUSY_TIMEOUT_S,
                                        isolation_level=None, check_same_thread=True)
             else:
-                conn = sqlite3.connect(str(self.path), timeout=30, isolation_level=None,
+                conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S, isolation_level=None,
                                        check_same_thread=True)
                 conn.execute("PRAGMA journal_mode=WAL")
                 # every commit durable across a power loss too (NORMAL: a process crash only), as

@@ -33,7 +33,7 @@ from server.core.engine.state import (DESCRIPTOR_COPY, check_state_is_this_build
 from server.core.registry import CollectionRegistry, LoadedCollection
 from server.core.types import ShardWrite
 from server.core.writes import WritePath
-from server.errors import FailedPrecondition, NotFound, SearchError, is_failure
+from server.errors import FailedPrecondition, NotFound, SearchError, is_failure, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -426,7 +426,7 @@ class BuildManager:
             # written and audited just now; published only over its own source
             self.store.publish(name, desc.build_id, verify_files=False,
                                expect_live=coll.desc.build_id)
-        except BaseException:  # a build that is not published is removed, whatever stopped it
+        except BaseException as exc:  # a build that is not published is removed, whatever stopped it
             # (outside QA: each compaction that failed its audit left a whole build behind, and
             # a scheduled one a new one every interval; review: so did a caller cancelled while
             # it was written) - once the job has stopped writing into it, never once the alias
@@ -437,6 +437,12 @@ class BuildManager:
             else:
                 job.add_done_callback(lambda _: loop.create_task(
                     self._drop_unpublished(name, made.get("desc"))))
+            # a full or read-only volume is the operator's to fix, not INTERNAL (outside QA)
+            clear = (storage_error(exc, f"compaction of {name} into {builds}",
+                                   f"the build {coll.desc.build_id} keeps serving: compact again")
+                     if isinstance(exc, Exception) and not isinstance(exc, SearchError) else None)
+            if clear is not None:
+                raise clear from exc
             raise
         switched = await self.switch_build(name)  # the alias's: an operator's later publish wins
         return {"build_id": desc.build_id, "previous": coll.desc.build_id, "rows_before": before,

@@ -14,6 +14,12 @@ MAX_COLLECTION_NAME = 128
 MAX_CONTEXT_TOKENS = 100_000
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # gRPC receive limit on every listener (a SearchBatch of
                                       # 1,024 queries with 384-d vectors is ~1.6 MB)
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # gRPC send limit of every listener, the client's receive
+                                       # limit; answers are budgeted against it as they are
+                                       # written (servicers.py), not refused by gRPC after
+ANSWERS_BUDGET_BYTES = MAX_RESPONSE_BYTES - 1024 * 1024  # room left for refused slots' messages
+RESPONSE_FULL_NOTE = "the response size limit"  # in a SearchBatch slot's message: send it again
+RESPONSE_TOO_LARGE_NOTE = "a response may carry"  # in the message of an answer too large alone
 DEFAULT_RERANK_CAP = 200              # server cap on rerank_depth (configurable)
 MAX_DOC_ID_CHARS = 512
 MAX_VERSION = 2 ** 63 - 1             # document versions: the proto field is uint64, SQLite's int64

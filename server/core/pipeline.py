@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -134,14 +134,21 @@ class QueryPipeline:
         self._cache.clear()
 
     async def search(self, queries: Sequence[SearchQuery], tenant: str, acl_scopes: tuple,
-                     deadline: Optional[float]) -> list:
-        """One answer per query, in order: a SearchResult, or the SearchError of that query."""
+                     deadline: Optional[float],
+                     on_part: Optional[Callable[[int, list], None]] = None) -> list:
+        """One answer per query, in order: a SearchResult, or the SearchError of that query.
+        `on_part(first, answers)`, called on the loop as each chunk of a batch is answered
+        (`first`: the index of its first query), lets the caller encode those answers while the
+        later chunks still search, instead of after all of them with a core idle."""
         t_start = time.perf_counter()
         flow = object()  # this request, in the model queues (batcher.py)
         chunk = self.config.batch_chunk
         if chunk <= 0 or len(queries) <= chunk:
-            return await self._search(self._prepared(queries, tenant, acl_scopes, flow), tenant,
-                                      acl_scopes, deadline, t_start)
+            answers = await self._search(self._prepared(queries, tenant, acl_scopes, flow),
+                                         tenant, acl_scopes, deadline, t_start)
+            if on_part is not None:
+                on_part(0, answers)
+            return answers
         if any(q.text for q in queries):
             # one statistics round for the whole batch: each chunk's own round would queue
             # behind the other chunks' searches and could run past its budget, leaving that
@@ -157,6 +164,9 @@ class QueryPipeline:
             parts = [self._prepared_search(queries[i:i + chunk], tenant, acl_scopes, deadline,
                                            t_start, flow) for i in range(0, len(queries), chunk)]
             shared = None
+        if on_part is not None:
+            parts = [self._then(part, on_part, first)
+                     for part, first in zip(parts, range(0, len(queries), chunk))]
         tasks = [asyncio.ensure_future(part) for part in parts]
         try:
             parts = await asyncio.gather(*tasks)
@@ -169,6 +179,12 @@ class QueryPipeline:
                     shared.exception()  # read: the chunks raised it already
             raise
         return [answer for part in parts for answer in part]
+
+    @staticmethod
+    async def _then(part, on_part: Callable[[int, list], None], first: int) -> list:
+        answers = await part
+        on_part(first, answers)
+        return answers
 
     def _prepared(self, queries: Sequence[SearchQuery], tenant: str,
                   acl_scopes: tuple, flow: object) -> list[_Query]:

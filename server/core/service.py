@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from server.backends.device import Device
 from server.config import ServerConfig
@@ -102,13 +102,16 @@ class SearchCore:
 
     async def search_batch(self, queries: Sequence[SearchQuery], tenant: str,
                            deadline: Optional[float] = None,
-                           acl_scopes: Sequence[str] = ()) -> list:
-        """One answer per query: a SearchResult, or that query's SearchError."""
+                           acl_scopes: Sequence[str] = (),
+                           on_part: Optional[Callable[[int, list], None]] = None) -> list:
+        """One answer per query: a SearchResult, or that query's SearchError. `on_part(first,
+        answers)` is called on the loop as each part of the batch is answered (QueryPipeline.search)."""
         if not tenant:
             raise FailedPrecondition("no tenant resolved for the caller")
         check_batch_size(len(queries))
         with self.admission.admit(len(queries)):
-            return await self.pipeline.search(queries, tenant, tuple(acl_scopes), deadline)
+            return await self.pipeline.search(queries, tenant, tuple(acl_scopes), deadline,
+                                              on_part)
 
     async def stats(self, name: str, tenant: Optional[str] = None, digest: bool = False,
                     deadline: Optional[float] = None) -> dict:

@@ -153,7 +153,7 @@ def _listen(server: grpc.aio.Server, host: str, port: int, tls: Optional[TLSConf
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", limits.MAX_RESPONSE_BYTES),
     ("grpc.max_concurrent_streams", 1024),
 ]
 

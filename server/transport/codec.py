@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 
 from server.backends.docstore import ChunkRecord
+from server.core import limits
 from server.core.chunking import Chunk
 from server.core.types import (Candidate, FetchRequest, Filter, SearchQuery, SearchResult,
                                ShardInfo, ShardQuery, ShardResult, ShardWrite, TermStats,
@@ -83,18 +84,77 @@ def _retriever(pair, kind) -> Optional[pb.RetrieverScore]:
     return pb.RetrieverScore(rank=pair[0], score=pair[1], kind=kind)
 
 
+# What a response's parts may take, over-counted (a budget's bound, not a size): a hit's numbers,
+# kinds and field tags; an answer's ids, flags, timings and notes; a trace entry
+HIT_BYTES, ANSWER_BYTES, TRACE_ITEM_BYTES = 128, 1024, 96
+
+
+def record_bytes(rec: ChunkRecord) -> int:
+    """What a hit with this record may take in a message (an upper bound): its text's UTF-8
+    bytes (exact and O(1) for ASCII), short strings four bytes a character, its numbers."""
+    text = rec.text or ""
+    n = (HIT_BYTES + (len(text) if text.isascii() else len(text.encode("utf-8", "replace")))
+         + 4 * (len(rec.title) + len(rec.doc_id)))
+    if rec.metadata:
+        n += 4 * sum(len(str(k)) + len(str(v)) + 2 for k, v in rec.metadata.items())
+    return n
+
+
+class TextBudget:
+    """The room one shard message has for hit texts: a hit past it travels without its record
+    (row, chunk id and text fingerprint, as a page's tail does), for the router to fetch if its
+    answer shows it. Before, a shard built every text of a batch (128 queries x 10 texts of up
+    to a million characters) into one message that gRPC then refused (outside QA)."""
+
+    def __init__(self, room: int):
+        self.left = room
+
+    def take(self, rec: ChunkRecord) -> bool:
+        n = record_bytes(rec)
+        if n > self.left:
+            return False
+        self.left -= n
+        return True
+
+
+class AnswerTooLarge(Exception):
+    """The answer would take more than the room it was given (`spent`: at least this much)."""
+
+    def __init__(self, spent: int):
+        super().__init__(spent)
+        self.spent = spent
+
+
 def result_to_pb(res: SearchResult, dense_kind: int,
                  out: Optional[pb.SearchResponse] = None) -> pb.SearchResponse:
     """The response message; `out` (an empty one) is filled in place: a SearchBatch writes each
     answer into its own slot instead of copying a finished message there."""
     if out is None:
         out = pb.SearchResponse()
+    write_answer(res, dense_kind, out)
+    return out
+
+
+def write_answer(res: SearchResult, dense_kind: int, out: pb.SearchResponse,
+                 room: Optional[int] = None) -> int:
+    """Write the answer into `out`; returns the bytes it may take (an upper bound). Raises
+    AnswerTooLarge, with `out` part-written, as soon as that passes `room`: hit texts up to a
+    million characters and pages of 1,000 hits make answers of a gigabyte, which were built
+    whole before gRPC refused to send them (outside QA). Texts count their UTF-8 bytes (exact
+    and O(1) for ASCII), short strings four bytes a character. `room`: limits.ANSWERS_BUDGET_BYTES
+    unless given."""
+    if room is None:
+        room = limits.ANSWERS_BUDGET_BYTES
     out.build_id, out.corpus_version, out.model_id = res.build_id, res.corpus_version, res.model_id
     out.partial, out.context_tokens = res.partial, res.context_tokens
     out.shard_errors.extend(res.shard_errors)
+    spent = ANSWER_BYTES + sum(len(e) for e in res.shard_errors) * 4
     hits = out.hits
     for h in res.hits:
         rec = h.candidate.record
+        spent += record_bytes(rec)
+        if spent > room:
+            raise AnswerTooLarge(spent)
         hit = hits.add(chunk_id=rec.chunk_id, doc_id=rec.doc_id, score=h.score,
                        score_kind=SCORE_KIND[h.score_kind], higher_is_better=True,
                        text=rec.text, title=rec.title, chunk_index=rec.chunk_index,
@@ -118,12 +178,16 @@ def result_to_pb(res: SearchResult, dense_kind: int,
     for stage, ms in res.timings.items():
         out.timings.add(stage=stage, ms=ms)
     if res.trace is not None:
+        spent += sum(TRACE_ITEM_BYTES + 4 * len(e.reason) for entries in res.trace.values()
+                     for e in entries) + 4 * sum(len(n) for n in res.notes)
+        if spent > room:
+            raise AnswerTooLarge(spent)
         for name, entries in res.trace.items():
             out.trace.lists.append(pb.TraceList(name=name, items=[
                 pb.TraceItem(chunk_id=e.chunk_id, doc_id=e.doc_id, score=e.score, rank=e.rank,
                              reason=e.reason) for e in entries]))
         out.trace.notes.extend(res.notes)
-    return out
+    return spent
 
 
 def write_from_pb(req, op: str) -> WriteRequest:
@@ -194,9 +258,13 @@ def hit_from_pb(h: spb.ShardHit, shard: int) -> Candidate:
                      shard, _f32(h.vector, "a chunk vector"))
 
 
-def shard_result_to_pb(res: ShardResult, text_top_n: int = 0) -> spb.ShardQueryResult:
+def shard_result_to_pb(res: ShardResult, text_top_n: int = 0,
+                       texts: Optional[TextBudget] = None) -> spb.ShardQueryResult:
+    """`texts`: the message's room for hit texts (TextBudget), shared by its results."""
     def hits(cands):
-        return [hit_to_pb(c, not text_top_n or i < text_top_n) for i, c in enumerate(cands)]
+        return [hit_to_pb(c, (not text_top_n or i < text_top_n)
+                          and (texts is None or c.record.text is None or texts.take(c.record)))
+                for i, c in enumerate(cands)]
 
     return spb.ShardQueryResult(dense=hits(res.dense), lexical=hits(res.lexical),
                                 corpus_version=res.corpus_version, shard=res.shard,

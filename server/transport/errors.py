@@ -24,6 +24,7 @@ STATUS = (  # most specific first
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.StorageFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.ResponseTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import grpc
 
 from server import errors
-from server.core import metrics
+from server.core import limits, metrics
 from server.core.admission import Admission
 from server.core.shard_api import SHARD_INFO_TIMEOUT_S
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardWrite,
@@ -146,6 +146,7 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
             for (i, q), r in zip(queries, results):
                 answers[i] = r
         out = spb.ShardSearchResponse()
+        texts = codec.TextBudget(limits.ANSWERS_BUDGET_BYTES)
         for i in range(len(request.queries)):
             r = answers[i]
             if isinstance(r, errors.SearchError):
@@ -155,7 +156,7 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
                 metrics.RECENT.observe("shard_dense", r.dense_ms / 1e3)
             if r.lexical_ms:
                 metrics.RECENT.observe("shard_lexical", r.lexical_ms / 1e3)
-            out.results.append(codec.shard_result_to_pb(r, request.queries[i].text_top_n))
+            out.results.append(codec.shard_result_to_pb(r, request.queries[i].text_top_n, texts))
         return out
 
     @boundary("FetchChunks")
@@ -163,6 +164,12 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
         self.auth.check(context.invocation_metadata())
         cands = await self._serving(request.build_id).fetch(codec.fetch_from_pb(request),
                                                             context.time_remaining())
+        size = sum(codec.record_bytes(c.record) for c in cands)  # before any of it is built
+        if size > limits.ANSWERS_BUDGET_BYTES:
+            raise errors.ResponseTooLarge(
+                f"the {len(cands)} chunks asked for take more than {size / 2**20:.1f} MiB, over "
+                f"the {limits.MAX_RESPONSE_BYTES / 2**20:.0f} MiB "
+                f"{limits.RESPONSE_TOO_LARGE_NOTE}: ask for fewer rows (a smaller top_k)")
         return spb.FetchChunksResponse(chunks=[codec.hit_to_pb(c) for c in cands])
 
     @boundary("ApplyWrites")
@@ -203,8 +210,8 @@ class RemoteShard:
                  credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None):
         self.address = address
         self.shard_no = shard_no
-        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                   ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        options = [("grpc.max_receive_message_length", limits.MAX_RESPONSE_BYTES),
+                   ("grpc.max_send_message_length", limits.MAX_RESPONSE_BYTES),
                    ("grpc.keepalive_time_ms", 10_000), *RECONNECT_OPTIONS]
         self.channel = (grpc.aio.secure_channel(address, credentials, options) if credentials
                         else grpc.aio.insecure_channel(address, options))
@@ -217,6 +224,9 @@ class RemoteShard:
 
     def _error(self, err: grpc.aio.AioRpcError) -> errors.SearchError:
         cls = FROM_STATUS.get(err.code(), errors.Unavailable)
+        if (cls is errors.ReplicaOverloaded
+                and limits.RESPONSE_TOO_LARGE_NOTE in (err.details() or "")):
+            cls = errors.ResponseTooLarge  # the same on every replica: the caller's to hear
         return cls(f"{self.address}: {err.code().name}: {err.details()}")
 
     async def search(self, queries: Sequence[ShardQuery], timeout: Optional[float] = None) -> list:

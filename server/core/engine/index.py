@@ -53,8 +53,8 @@ from server.core.engine.state import (COMMITTED, lock_state, lost_writes, prepar
 from server.core.rwlock import RWLock
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
                                ShardWrite, StoredVersions, WriteOutcome, small_key)
-from server.errors import (FailedPrecondition, IndexCorruptError, ModelMismatch, StorageFull,
-                           is_failure, is_panic, is_storage_full, panic_as_corruption)
+from server.errors import (FailedPrecondition, IndexCorruptError, ModelMismatch, SearchError,
+                           is_failure, is_panic, panic_as_corruption, storage_error)
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +96,17 @@ class RecordCache:
     to say, checked by the reader under the same read lock as the search (the flip moves the
     bitmap and the store together). The idea of Solr's documentCache: the hits of popular queries
     are read from SQLite once, not on every search (a 10-row read cost ~60 us of a ~300 us
-    query). capacity 0 turns it off."""
+    query). capacity 0 turns it off. It holds at most `max_bytes` of text too: 50,000 rows of
+    chunks written with a million characters each would be 50 GB (outside QA's long texts)."""
 
-    def __init__(self, capacity: int, labels: tuple[str, str] = ("", "")):
+    MAX_BYTES = 256 * 2**20
+    RECORD_BYTES = 256  # a record's own objects, besides its text and title
+
+    def __init__(self, capacity: int, labels: tuple[str, str] = ("", ""),
+                 max_bytes: int = MAX_BYTES):
         self.capacity = max(0, int(capacity))
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._records: OrderedDict[int, ChunkRecord] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -129,11 +136,21 @@ class RecordCache:
         if missing:
             fresh = store.fetch(missing)
             out.update(fresh)
+            size = self._size
             with self._lock:
-                self._records.update(fresh)
-                while len(self._records) > self.capacity:
-                    self._records.popitem(last=False)
+                records = self._records
+                for row, rec in fresh.items():
+                    old = records.get(row)
+                    if old is not None:
+                        self.bytes -= size(old)
+                    records[row] = rec
+                    self.bytes += size(rec)
+                while records and (len(records) > self.capacity or self.bytes > self.max_bytes):
+                    self.bytes -= size(records.popitem(last=False)[1])
         return out
+
+    def _size(self, rec: ChunkRecord) -> int:
+        return self.RECORD_BYTES + len(rec.text or "") + len(rec.title)
 
 
 def _panics_as_corruption(method):
@@ -168,7 +185,8 @@ class ShardIndex:
     EXACT_MAX_ROWS = 20_000
 
     def __init__(self, desc: ReleaseDescriptor, build_dir: Path, state_root: Path, shard_no: int,
-                 device: Optional[Device] = None, record_cache_rows: int = 0):
+                 device: Optional[Device] = None, record_cache_rows: int = 0,
+                 record_cache_bytes: int = RecordCache.MAX_BYTES):
         self.desc = desc
         self._desc_json = desc.to_json()  # a build's descriptor never changes
         self.shard_no = shard_no
@@ -180,7 +198,7 @@ class ShardIndex:
                                                                  desc.build_id, name), files)
         self._lock = lock_state(self.state_dir)
         try:
-            self._open(desc, files, device, record_cache_rows)
+            self._open(desc, files, device, record_cache_rows, record_cache_bytes)
         except BaseException:
             # a refused shard gives back what it opened (its state's lock, the store's
             # connections, tantivy's directory): a retry in this process, or an operator's
@@ -192,7 +210,7 @@ class ShardIndex:
             raise
 
     def _open(self, desc: ReleaseDescriptor, files: dict, device: Optional[Device],
-              record_cache_rows: int) -> None:
+              record_cache_rows: int, record_cache_bytes: int) -> None:
         shard_no = self.shard_no
         knobs = SearchKnobs(**desc.search_defaults) if desc.search_defaults else SearchKnobs()
         self.dense = DenseIndex.load(self.build_dir, desc.metric, files, knobs, device, shard_no)
@@ -213,7 +231,8 @@ class ShardIndex:
         self.vectors = ShardVectors(base, desc.dim)
         # analysed as the build was (its analyzer version: see lexical.py)
         self.lexical = LexicalIndex.open(self.state_dir / "lexical", version=desc.lexical_analyzer)
-        self.records = RecordCache(record_cache_rows, (desc.collection, str(shard_no)))
+        self.records = RecordCache(record_cache_rows, (desc.collection, str(shard_no)),
+                                   record_cache_bytes)
         self._rw = RWLock()
         self._write_mutex = threading.Lock()
         # a group's BM25 commit is on disk but its flip failed: the next publish would show its
@@ -229,11 +248,15 @@ class ShardIndex:
             self.store = DocStore(store_path)
             self.recovered = self._recover()
             self._load_counts()
-        except sqlite3.DatabaseError as exc:  # a truncated or overwritten state copy
-            if is_storage_full(exc):  # not damage: removing the state would lose its writes
-                raise StorageFull(
-                    f"document store {store_path} cannot be opened: its volume is full ({exc}). "
-                    f"Nothing is damaged: free space on it and start again") from exc
+        except (sqlite3.DatabaseError, SearchError) as exc:  # a truncated or overwritten copy
+            # not damage, when storage refuses (full, locked by another process, read-only):
+            # removing the state would lose its writes
+            clear = storage_error(exc, f"document store {store_path}",
+                                  "nothing is damaged: start again")
+            if clear is not None:
+                raise clear from exc
+            if isinstance(exc, SearchError):
+                raise
             raise IndexCorruptError(
                 f"document store {store_path} is unreadable: {exc}. The build's own copy is "
                 f"untouched: restore this shard's state from a backup or a replica, or remove "
@@ -623,17 +646,17 @@ class ShardIndex:
             try:
                 return self._apply_group(writes)
             except Exception as exc:
-                if is_storage_full(exc):  # not INTERNAL: the client should retry, later
-                    full = StorageFull(
-                        f"shard {self.shard_no}: the volume of its state {self.state_dir} is "
-                        f"full ({str(exc).splitlines()[0][:200]}); the write may not have "
-                        f"been applied: free space and send it again (writes are idempotent "
-                        f"by version)")
-                    if time.monotonic() - self._full_logged > 10.0:  # an operator's problem
-                        self._full_logged = time.monotonic()
-                        log.error("%s", full)
-                    raise full from exc
-                raise
+                # storage refusing (full, locked, read-only, gone) is not INTERNAL: it names
+                # the state and says whether sending the write again will do
+                clear = storage_error(exc, f"shard {self.shard_no}'s state {self.state_dir}",
+                                      "the write may not have been applied: send it again "
+                                      "(writes are idempotent by version)")
+                if clear is None:
+                    raise
+                if time.monotonic() - self._full_logged > 10.0:  # an operator's problem
+                    self._full_logged = time.monotonic()
+                    log.error("%s", clear)
+                raise clear from exc
 
     def stored_versions(self, keys: Sequence[tuple[str, str]]) -> StoredVersions:
         """The versions the next write group would compare against (`_apply_group`'s rule) and

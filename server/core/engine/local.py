@@ -132,7 +132,8 @@ class LocalShard:
              config: EngineConfig, pools: EnginePools, apply_batch: int = 256) -> "LocalShard":
         """Load (blocking: call from a worker thread when a loop is running)."""
         return cls(ShardIndex(desc, build_dir, state_root, shard_no, device,
-                              config.record_cache_rows), config, pools, apply_batch)
+                              config.record_cache_rows, config.record_cache_mb * 2**20),
+                   config, pools, apply_batch)
 
     # --- the shard interface -----------------------------------------------------------------
     def _run_group(self, queries: Sequence[ShardQuery]):
