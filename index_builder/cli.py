@@ -808,14 +808,13 @@ def main(argv=None) -> None:
     except Exception as exc:
         # storage refusing (a full volume: SQLite's "database or disk is full", an OSError, a
         # tantivy error) is the operator's to fix, and said in one line (outside QA: a
-        # traceback); an unfinished build is already removed
+        # traceback); an unfinished build is already removed. Anything else is a bug: traced
         condition = storage_condition(exc)
         if condition is None:
             raise
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"index-builder {args.command}: error: the storage under --data-dir is "
-              f"{STORAGE_CONDITION_WORDS[condition]}"
-              f" ({type(exc).__name__}: {first})"
+        print(f"index-builder {args.command}: error: storage it writes or reads is "
+              f"{STORAGE_CONDITION_WORDS[condition]} ({type(exc).__name__}: {first})"
               + ("; the unfinished build was removed" if args.command == "build" else ""),
               file=sys.stderr)
         rc = 2

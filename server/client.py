@@ -185,6 +185,24 @@ class SearchClient:
 
     def _call(self, chunk: list[pb.SearchRequest], timeout: Optional[float],
               per_query_errors: bool) -> list[BatchResult]:
+        results = self._answers(chunk, timeout, per_query_errors)
+        # queries whose answers did not fit beside the others in the server's response: sent
+        # again, in calls of as many queries as the last call fitted (a call that fits none
+        # ends it: each refused slot keeps its status)
+        again = [i for i, r in enumerate(results) if _no_room(r)]
+        fitted = len(chunk) - len(again)
+        while again and fitted:
+            part, again = again[:fitted], again[fitted:]
+            answers = self._answers([chunk[i] for i in part], timeout, per_query_errors)
+            for i, a in zip(part, answers):
+                results[i] = a
+            refused = [i for i, a in zip(part, answers) if _no_room(a)]
+            fitted = len(part) - len(refused)
+            again = refused + again
+        return results
+
+    def _answers(self, chunk: list[pb.SearchRequest], timeout: Optional[float],
+                 per_query_errors: bool) -> list[BatchResult]:
         try:
             return self._batch(chunk, timeout)
         except grpc.RpcError as err:
@@ -204,17 +222,8 @@ class SearchClient:
                 raise
             half = len(chunk) // 2
             return self._batch(chunk[:half], timeout) + self._batch(chunk[half:], timeout)
-        results = [BatchResult(_CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.message,
-                               item.response if item.code == 0 else None)
-                   for item in resp.results]
-        # answers that did not fit beside the others in the server's response: sent again, in a
-        # call of their own (each call answers at least one of them, so this ends)
-        again = [i for i, r in enumerate(results) if r.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                 and RESPONSE_FULL_NOTE in r.message]
-        if again and len(again) < len(chunk):
-            for i, r in zip(again, self._batch([chunk[i] for i in again], timeout)):
-                results[i] = r
-        return results
+        return [BatchResult(_CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.message,
+                            item.response if item.code == 0 else None) for item in resp.results]
 
     def _send_batch(self, chunk: list[pb.SearchRequest],
                     timeout: Optional[float]) -> pb.SearchBatchResponse:
@@ -279,6 +288,12 @@ def _positive_seconds(text: str) -> float:
         return _check_timeout(float(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _no_room(r: BatchResult) -> bool:
+    """A query the server answered RESOURCE_EXHAUSTED because its answer did not fit in the
+    response beside the others (not one too large on its own)."""
+    return r.code == grpc.StatusCode.RESOURCE_EXHAUSTED and RESPONSE_FULL_NOTE in r.message
 
 
 def _worth_another_attempt(err: grpc.RpcError) -> bool:

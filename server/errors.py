@@ -3,6 +3,7 @@ status codes in one table. Nothing here imports grpc."""
 from __future__ import annotations
 
 import errno
+import sqlite3
 from typing import Optional
 
 
@@ -70,57 +71,81 @@ class StorageFull(SearchError):
     """The volume a write (or a load) needs to write to is full; nothing is damaged."""
 
 
-# What storage says when it refuses, by condition, however its library puts it (an OSError's
-# errno, SQLite's and tantivy's texts): the condition decides the status a caller gets (outside
-# QA: a lock held by a backup job, a volume remounted read-only and a deleted state directory all
-# answered INTERNAL, and a lock at start was called damage, with "remove the state" as its fix)
-_CONDITIONS = (
-    ("full", (errno.ENOSPC, errno.EDQUOT),
-     ("database or disk is full", "No space left on device", "Disk quota exceeded", "StorageFull")),
-    ("locked", (), ("database is locked", "database table is locked")),
-    ("read-only", (errno.EROFS, errno.EACCES, errno.EPERM),
-     ("attempt to write a readonly database", "Read-only file system", "Permission denied")),
-    ("missing", (errno.ENOENT,),
-     ("unable to open database file", "No such file or directory", "Failed to open file for write")),
-    ("io", (errno.EIO,), ("disk I/O error", "Input/output error")),
-)
+# What storage says when it refuses, by condition: the condition decides the status a caller
+# gets (outside QA: a lock held by a backup job, a volume remounted read-only and a deleted state
+# directory all answered INTERNAL, and a lock at start was called damage, with "remove the
+# state" as its fix). Only storage's own errors are read, each its own way: an OSError by its
+# errno, SQLite's by its result code (SQLITE_LOCKED, a connection's own conflict, is a bug, and
+# SQLITE_CORRUPT damage: neither is storage refusing), tantivy's by Rust's io::Error kind
+_ERRNO = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EROFS: "read-only",
+          errno.EACCES: "read-only", errno.EPERM: "read-only", errno.ENOENT: "missing",
+          errno.EIO: "io"}
+_SQLITE_CODES = {"SQLITE_FULL": "full", "SQLITE_BUSY": "locked", "SQLITE_READONLY": "read-only",
+                 "SQLITE_PERM": "read-only", "SQLITE_IOERR": "io", "SQLITE_CANTOPEN": "unopenable"}
+_SQLITE_TEXTS = (("full", "database or disk is full"), ("locked", "database is locked"),  # an
+                 ("read-only", "attempt to write a readonly database"),  # error raised by hand
+                 ("io", "disk I/O error"), ("unopenable", "unable to open database file"))
+_TANTIVY_KINDS = (("full", ("kind: StorageFull", "kind: QuotaExceeded", "No space left on device")),
+                  ("read-only", ("kind: ReadOnlyFilesystem", "kind: PermissionDenied",
+                                 "Read-only file system", "Permission denied")),
+                  ("missing", ("kind: NotFound", "No such file or directory")))
 STORAGE_CONDITION_WORDS = {"full": "full", "locked": "locked by another process",
                            "read-only": "read-only (or not permitted)",
-                           "missing": "missing a file it needs", "io": "failing (an I/O error)"}
+                           "missing": "missing a file it needs",
+                           "unopenable": "unable to open a file it needs",
+                           "io": "failing (an I/O error)"}
 
 
-def storage_condition(exc: Optional[BaseException]) -> Optional[str]:
-    """'full', 'locked', 'read-only', 'missing' or 'io' when `exc` (or an exception it was
-    raised from) is storage refusing, the first of them in that order; None for anything else."""
-    chain = []
-    while exc is not None and all(exc is not e for e in chain):
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    texts_of = [str(e) for e in chain]
-    for name, numbers, texts in _CONDITIONS:
-        for e, text in zip(chain, texts_of):
-            if (isinstance(e, OSError) and e.errno in numbers) or any(t in text for t in texts):
-                return name
+def _condition_of(exc: BaseException) -> Optional[str]:
+    if isinstance(exc, OSError):
+        return _ERRNO.get(exc.errno)
+    if isinstance(exc, sqlite3.Error):
+        name = getattr(exc, "sqlite_errorname", None)
+        if name:  # extended codes (SQLITE_BUSY_RECOVERY, SQLITE_IOERR_WRITE) by their family
+            return _SQLITE_CODES.get("_".join(name.split("_")[:2]))
+        text = str(exc)
+        return next((c for c, t in _SQLITE_TEXTS if t in text), None)
+    text = str(exc)
+    if isinstance(exc, ValueError) and "IoError" in text:  # tantivy's
+        return next((c for c, words in _TANTIVY_KINDS if any(w in text for w in words)), "io")
     return None
 
 
-def storage_error(exc: BaseException, where: str, retry: str) -> Optional[SearchError]:
+def storage_condition(exc: Optional[BaseException]) -> Optional[str]:
+    """'full', 'locked', 'read-only', 'missing', 'unopenable' or 'io' when `exc`, or an error it
+    was raised from (`raise ... from`), is storage refusing; a full volume anywhere in that
+    chain wins. None for anything else."""
+    found = []
+    seen = 0
+    while exc is not None and seen < 16:
+        condition = _condition_of(exc)
+        if condition == "full":
+            return condition
+        if condition is not None:
+            found.append(condition)
+        exc, seen = exc.__cause__, seen + 1
+    return found[0] if found else None
+
+
+def storage_error(exc: BaseException, where: str, then: str) -> Optional[SearchError]:
     """The clear error for storage refusing (`storage_condition`), or None. `where` names what
-    could not be written (a path), `retry` what becomes of the request (e.g. "the write may not
-    have been applied: ... send it again")."""
+    could not be written (a path), `then` what becomes of the request (e.g. "the write may not
+    have been applied: send it again")."""
     condition = storage_condition(exc)
     if condition is None:
         return None
     why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
     if condition == "full":
-        return StorageFull(f"{where}: its volume is full ({why}); {retry}, once there is room")
+        return StorageFull(f"{where}: its volume is full ({why}); nothing is damaged; {then}, "
+                           f"once there is room")
     if condition == "locked":
         return Unavailable(f"{where}: another process holds a lock on it ({why}: a backup job, an "
-                           f"sqlite3 shell?); nothing is damaged; {retry}, once it is released")
+                           f"sqlite3 shell?); nothing is damaged; {then}, once it is released")
     what = {"read-only": "cannot be written (read-only or not permitted)",
             "missing": "is missing (removed while in use?)",
+            "unopenable": "cannot be opened (removed while in use, or out of file handles?)",
             "io": "failed to write (an I/O error: is the volume healthy?)"}[condition]
-    return FailedPrecondition(f"{where} {what} ({why}); {retry}, once it is fixed")
+    return FailedPrecondition(f"{where} {what} ({why}); {then}, once it is fixed")
 
 
 def is_storage_full(exc: Optional[BaseException]) -> bool:

@@ -366,6 +366,39 @@ def test_the_record_cache_is_bounded_and_drops_the_least_recently_used(engine_bu
         pools.close()
 
 
+def test_a_fetch_that_would_pass_a_responses_size_is_refused_before_it_is_read(engine_build,
+                                                                              monkeypatch):
+    """A fetch of more rows than surely fit asks SQLite their size first and is refused, naming
+    the limit, without reading them (review: records of a million characters each were read
+    whole, then refused); one that fits is read as ever."""
+    from server.core import limits
+    from server.core.engine import index as index_module
+    from server.core.types import FetchRequest
+    from server.errors import ResponseTooLarge
+
+    data, desc = engine_build
+    shard, pools = open_shard(data, desc)
+    index = shard.index
+    try:
+        rows = list(range(20))
+        size = index.store.stored_bytes(rows)
+        assert size > 0
+        monkeypatch.setattr(index_module, "FETCH_UNCHECKED_ROWS", 4)
+        monkeypatch.setattr(limits, "ANSWERS_BUDGET_BYTES", size - 1)
+        reads = []
+        monkeypatch.setattr(index.records, "read", lambda *a: reads.append(a) or {})
+        req = FetchRequest(desc.build_id, "default", (), tuple(rows))
+        with pytest.raises(ResponseTooLarge, match=limits.RESPONSE_TOO_LARGE_NOTE):
+            index.fetch(req)
+        assert reads == []  # refused before a record was read
+        monkeypatch.setattr(limits, "ANSWERS_BUDGET_BYTES", size)
+        index.fetch(req)
+        assert len(reads) == 1
+    finally:
+        asyncio.run(shard.close())
+        pools.close()
+
+
 def test_the_packed_record_read_equals_the_row_by_row_read(tmp_path, monkeypatch):
     """DocStore.fetch reads a block of rows as one JSON value (one SQLite step: one GIL hand-back
     instead of one per row); it must return exactly what the row-by-row read does, odd text and

@@ -435,6 +435,21 @@ def test_storage_that_refuses_is_named_by_its_condition():
         except RuntimeError as outer:
             return outer
 
+    def real_sqlite(condition):
+        """An error SQLite itself raised, with its result code."""
+        db = sq.connect(":memory:")
+        try:
+            if condition == "table-locked":  # SQLITE_LOCKED: the connection's own conflict
+                db.execute("CREATE TABLE t (x)")
+                db.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(3)])
+                cur = db.execute("SELECT x FROM t")
+                cur.fetchone()
+                db.execute("DROP TABLE t")
+            db.execute("SELECT * FROM nowhere")
+        except sq.Error as exc:
+            return exc
+        raise AssertionError("no error")
+
     cases = {
         OSError(errno.ENOSPC, "No space left on device"): ("full", StorageFull),
         sq.OperationalError("database or disk is full"): ("full", StorageFull),
@@ -442,9 +457,12 @@ def test_storage_that_refuses_is_named_by_its_condition():
         chained(sq.OperationalError("database is locked")): ("locked", Unavailable),
         sq.OperationalError("attempt to write a readonly database"): ("read-only", FailedPrecondition),
         OSError(errno.EROFS, "Read-only file system"): ("read-only", FailedPrecondition),
-        ValueError("Failed to open file for write: 'IoError { io_error: Os { code: 2 }'"):
-            ("missing", FailedPrecondition),
+        ValueError("Failed to open file for write: 'IoError { io_error: Custom { kind: NotFound, "
+                   "error: PathError { path: \\\"x\\\" } } }'"): ("missing", FailedPrecondition),
+        ValueError("Failed to open file for write: 'IoError { io_error: Custom { kind: "
+                   "StorageFull, error: PathError { } } }'"): ("full", StorageFull),
         sq.OperationalError("disk I/O error"): ("io", FailedPrecondition),
+        sq.OperationalError("unable to open database file"): ("unopenable", FailedPrecondition),
         # a full volume anywhere in the chain wins over the I/O error SQLite reports for it
         chained(OSError(errno.ENOSPC, "No space left on device")): ("full", StorageFull),
     }
@@ -452,8 +470,26 @@ def test_storage_that_refuses_is_named_by_its_condition():
         assert storage_condition(exc) == condition, exc
         clear = storage_error(exc, "shard 0's state /s", "send it again")
         assert type(clear) is kind and "shard 0's state /s" in str(clear), (exc, clear)
-    for other in (ValueError("bad vector"), KeyError("x"), sq.DatabaseError("file is not a database")):
-        assert storage_condition(other) is None and storage_error(other, "x", "y") is None
+    # not storage refusing: damage, a bug, an unrelated error raised while handling one (its
+    # implicit context is not read), or a message that merely holds the words (a doc id)
+    from server.errors import IndexCorruptError
+
+    def while_handling(inner, outer):
+        try:
+            try:
+                raise inner
+            except Exception:
+                raise outer
+        except Exception as exc:
+            return exc
+
+    others = [ValueError("bad vector"), KeyError("x"), sq.DatabaseError("file is not a database"),
+              real_sqlite("table-locked"), real_sqlite("no-such-table"),
+              while_handling(FileNotFoundError(errno.ENOENT, "gone"), KeyError("row 7")),
+              IndexCorruptError("lost writes of document 'Permission denied' (disk I/O error)"),
+              ValueError("a caller's text: No space left on device")]
+    for other in others:
+        assert storage_condition(other) is None and storage_error(other, "x", "y") is None, other
 
 
 def _state_store(data):

@@ -402,9 +402,16 @@ def test_a_shard_message_carries_texts_up_to_its_budget_and_the_rest_as_rows():
                           ("@all",), 7000 + i)
         return Candidate(rec.chunk_id, 1.0 / (i + 1), rec, 0)
 
-    room = codec.TextBudget(int(2.5 * codec.record_bytes(cand(0).record)))
-    first = codec.shard_result_to_pb(ShardResult(0, "v", [cand(0), cand(1)], []), 0, room)
-    second = codec.shard_result_to_pb(ShardResult(0, "v", [cand(2)], [cand(3)]), 0, room)
+    from server.errors import ResponseTooLarge
+
+    results = [ShardResult(0, "v", [cand(0), cand(1)], []), ShardResult(0, "v", [cand(2)], [cand(3)])]
+    one = codec.record_bytes(cand(0).record)
+    assert codec.shard_texts_budget(results, 4 * one) is None  # all fits: nothing withheld
+    with pytest.raises(ResponseTooLarge, match="without their texts"):
+        codec.shard_texts_budget(results, 4 * codec.HIT_BYTES)  # not even the hits' ids fit
+    room = codec.shard_texts_budget(results, int(2.6 * one))
+    first = codec.shard_result_to_pb(results[0], 0, room)
+    second = codec.shard_result_to_pb(results[1], 0, room)
     shipped = list(first.dense) + list(second.dense) + list(second.lexical)
     assert [h.has_text for h in shipped] == [True, True, False, False]
     assert [len(h.text) for h in shipped] == [10_000, 10_000, 0, 0]
@@ -750,6 +757,54 @@ def test_a_batch_whose_answer_is_over_the_message_limit_is_split_not_failed(vec_
     assert [r.ok for r in split] == [True] * 64
     assert [[h.chunk_id for h in r.response.hits] for r in split] == \
         [[h.chunk_id for h in r.response.hits] for r in whole]
+
+
+def test_the_client_sends_again_what_did_not_fit_in_calls_it_can_answer_in_order():
+    """A server whose responses fit one answer each (answers near the size limit): the client
+    sends the refused queries again, as many per call as the last call fitted, until each is
+    answered - 1,024 queries, 1,024 calls, in order, with no recursion (review: one level of
+    recursion per call raised RecursionError near 1,000). With per_query_errors, a call that
+    fails midway marks only the queries it carried; answers already in hand stay."""
+    from concurrent import futures
+
+    from server.client import SearchClient, request
+    from server.core.limits import RESPONSE_FULL_NOTE
+
+    calls = []
+
+    class OneAtATime(pb_grpc.SearchServiceServicer):
+        fail_at = None
+
+        def SearchBatch(self, req, context):
+            calls.append([q.collection for q in req.queries])
+            if len(calls) == self.fail_at:
+                context.abort(grpc.StatusCode.INTERNAL, "a bug, this once")  # not retried
+            first, *rest = req.queries
+            return pb.SearchBatchResponse(results=[
+                pb.SearchBatchItem(response=pb.SearchResponse(build_id=first.collection))] + [
+                pb.SearchBatchItem(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                   message=f"did not fit ({RESPONSE_FULL_NOTE}, 64 MiB)")
+                for _ in rest])
+
+    servicer = OneAtATime()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_SearchServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        reqs = [request(collection=f"c{i}", vector=[1.0], model_id=MODEL) for i in range(1024)]
+        with SearchClient(f"127.0.0.1:{port}") as client:
+            answers = list(client.search_batch(reqs))
+            assert [a.response.build_id for a in answers] == [f"c{i}" for i in range(1024)]
+            assert len(calls) == 1024 and all(len(c) == 1 for c in calls[1:])
+            calls.clear()
+            servicer.fail_at = 3  # the third call fails: its query alone is marked
+            answers = list(client.search_batch(reqs[:5], batch_size=5, per_query_errors=True))
+            assert [a.ok for a in answers] == [True, True, False, True, True]
+            assert answers[2].call_failed and answers[2].code == grpc.StatusCode.INTERNAL
+            assert [a.response.build_id for a in answers if a.ok] == ["c0", "c1", "c3", "c4"]
+    finally:
+        server.stop(None)
 
 
 def test_a_batch_refused_for_load_is_retried_whole_with_backoff_not_split():

@@ -17,7 +17,7 @@ import os
 import re
 import sqlite3
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -115,6 +115,9 @@ class ChunkRecord:
     metadata: dict
     acl: tuple = (PUBLIC_ACL,)
     text_hash: int = 0
+    # what a hit with it may take in a message, once counted (codec.record_bytes): a cached
+    # record is counted once, not once per answer that shows it
+    nbytes: int = field(default=-1, compare=False)
 
     def __reduce__(self):
         # its fields as one tuple: ~3x faster to pickle than a slots dataclass's own state, and
@@ -214,8 +217,8 @@ class DocStore:
                 conn.execute("SELECT count(*) FROM chunks").fetchone()
                 version = self.get_meta("schema_version")
             except sqlite3.DatabaseError as exc:
-                clear = storage_error(exc, f"document store {self.path}", "nothing is damaged: "
-                                      "open it again")  # a lock, a volume: not damage
+                # a lock, a volume: not damage
+                clear = storage_error(exc, f"document store {self.path}", "open it again")
                 raise clear or IndexCorruptError(
                     f"document store {self.path} is unreadable: {exc}") from exc
             if version != SCHEMA_VERSION:
@@ -555,6 +558,20 @@ class DocStore:
     def live_rows(self) -> np.ndarray:
         return np.fromiter((r[0] for r in self._conn().execute("SELECT row FROM chunks WHERE live=1")),
                            dtype=np.int64)
+
+    def stored_bytes(self, rows: Sequence[int]) -> int:
+        """The bytes the texts, titles, metadata and ACLs of these rows hold, read without
+        reading them: what a fetch of them would build, known before it is built."""
+        rows = [int(x) for x in rows]
+        total = 0
+        for start in range(0, len(rows), 900):
+            block = rows[start:start + 900]
+            (n,), = self._conn().execute(
+                "SELECT coalesce(sum(length(CAST(text AS BLOB)) + length(CAST(title AS BLOB)) + "
+                "length(CAST(metadata AS BLOB)) + length(CAST(acl AS BLOB))), 0) FROM chunks "
+                f"WHERE row IN ({','.join('?' * len(block))})", block).fetchall()
+            total += n
+        return total
 
     def fetch(self, rows: Sequence[int]) -> dict[int, ChunkRecord]:
         """Records of the given rows that are live now (the final visibility check).

@@ -439,7 +439,7 @@ class BuildManager:
                     self._drop_unpublished(name, made.get("desc"))))
             # a full or read-only volume is the operator's to fix, not INTERNAL (outside QA)
             clear = (storage_error(exc, f"compaction of {name} into {builds}",
-                                   f"the build {coll.desc.build_id} keeps serving: compact again")
+                                   "compact again (`index-builder list` shows the build serving)")
                      if isinstance(exc, Exception) and not isinstance(exc, SearchError) else None)
             if clear is not None:
                 raise clear from exc

@@ -16,7 +16,7 @@ from server.core.chunking import Chunk
 from server.core.types import (Candidate, FetchRequest, Filter, SearchQuery, SearchResult,
                                ShardInfo, ShardQuery, ShardResult, ShardWrite, TermStats,
                                WriteOutcome, WriteRequest)
-from server.errors import InvalidArgument
+from server.errors import InvalidArgument, ResponseTooLarge
 from server.rpc import search_pb2 as pb
 from server.rpc import shard_pb2 as spb
 
@@ -91,12 +91,17 @@ HIT_BYTES, ANSWER_BYTES, TRACE_ITEM_BYTES = 128, 1024, 96
 
 def record_bytes(rec: ChunkRecord) -> int:
     """What a hit with this record may take in a message (an upper bound): its text's UTF-8
-    bytes (exact and O(1) for ASCII), short strings four bytes a character, its numbers."""
-    text = rec.text or ""
-    n = (HIT_BYTES + (len(text) if text.isascii() else len(text.encode("utf-8", "replace")))
-         + 4 * (len(rec.title) + len(rec.doc_id)))
-    if rec.metadata:
-        n += 4 * sum(len(str(k)) + len(str(v)) + 2 for k, v in rec.metadata.items())
+    bytes (exact and O(1) for ASCII), short strings four bytes a character, its numbers; counted
+    once per record (`nbytes`)."""
+    n = rec.nbytes
+    if n < 0:
+        text = rec.text or ""
+        n = (HIT_BYTES + (len(text) if text.isascii() else len(text.encode("utf-8", "replace")))
+             + 4 * (len(rec.title) + len(rec.doc_id) + len(rec.tenant) + sum(map(len, rec.acl))
+                    + len(rec.acl) * 2))
+        if rec.metadata:
+            n += 4 * sum(len(str(k)) + len(str(v)) + 2 for k, v in rec.metadata.items())
+        rec.nbytes = n
     return n
 
 
@@ -110,11 +115,30 @@ class TextBudget:
         self.left = room
 
     def take(self, rec: ChunkRecord) -> bool:
-        n = record_bytes(rec)
+        n = record_bytes(rec)  # its fixed part too, counted already: an over-count
         if n > self.left:
             return False
         self.left -= n
         return True
+
+
+def shard_texts_budget(results: list[ShardResult], room: int) -> Optional[TextBudget]:
+    """The room for hit texts in one shard message of these results: None when every hit fits
+    with its text (the common case), else what the hits' fixed parts (ids, tenant, ACL scopes,
+    vectors) leave. Raises ResponseTooLarge when those alone do not fit (deep pages of a large
+    batch), rather than build a message gRPC refuses."""
+    hits = [c for r in results for part in (r.dense, r.lexical) for c in part]
+    vectors = sum(4 * len(c.vector) + 8 for c in hits if c.vector is not None)
+    if vectors + sum(record_bytes(c.record) for c in hits) <= room:
+        return None
+    fixed = vectors + sum(HIT_BYTES + 4 * (len(r.doc_id) + len(r.tenant) + sum(map(len, r.acl))
+                                           + 2 * len(r.acl)) for r in (c.record for c in hits))
+    if fixed > room:
+        raise ResponseTooLarge(
+            f"the {len(hits)} hits of this message take more than {fixed / 2**20:.1f} MiB "
+            f"without their texts, over the {limits.MAX_RESPONSE_BYTES / 2**20:.0f} MiB "
+            f"{limits.RESPONSE_TOO_LARGE_NOTE}: send fewer queries per message, or shallower")
+    return TextBudget(room - fixed)
 
 
 class AnswerTooLarge(Exception):
@@ -148,11 +172,12 @@ def write_answer(res: SearchResult, dense_kind: int, out: pb.SearchResponse,
     out.build_id, out.corpus_version, out.model_id = res.build_id, res.corpus_version, res.model_id
     out.partial, out.context_tokens = res.partial, res.context_tokens
     out.shard_errors.extend(res.shard_errors)
-    spent = ANSWER_BYTES + sum(len(e) for e in res.shard_errors) * 4
+    spent = ANSWER_BYTES + (4 * sum(map(len, res.shard_errors)) if res.shard_errors else 0)
     hits = out.hits
     for h in res.hits:
         rec = h.candidate.record
-        spent += record_bytes(rec)
+        n = rec.nbytes  # record_bytes(rec), inline: this loop runs once a hit
+        spent += n if n >= 0 else record_bytes(rec)
         if spent > room:
             raise AnswerTooLarge(spent)
         hit = hits.add(chunk_id=rec.chunk_id, doc_id=rec.doc_id, score=h.score,

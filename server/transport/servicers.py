@@ -126,6 +126,7 @@ async def answer_batch(core: SearchCore, request: pb.SearchBatchRequest, tenant:
             answered[i] = True
             if isinstance(a, SearchError):
                 slot.code, slot.message = status_for(a).value[0], str(a)
+                used += 16 + 4 * len(slot.message)  # (1,024 of them could pass the reserve)
                 continue
             name = request.queries[i].collection
             kind = kinds.get(name)

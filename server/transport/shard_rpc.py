@@ -146,7 +146,9 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
             for (i, q), r in zip(queries, results):
                 answers[i] = r
         out = spb.ShardSearchResponse()
-        texts = codec.TextBudget(limits.ANSWERS_BUDGET_BYTES)
+        texts = codec.shard_texts_budget(
+            [r for r in answers.values() if not isinstance(r, errors.SearchError)],
+            limits.ANSWERS_BUDGET_BYTES)
         for i in range(len(request.queries)):
             r = answers[i]
             if isinstance(r, errors.SearchError):
@@ -164,12 +166,7 @@ class ShardServicer(spb_grpc.ShardServiceServicer):
         self.auth.check(context.invocation_metadata())
         cands = await self._serving(request.build_id).fetch(codec.fetch_from_pb(request),
                                                             context.time_remaining())
-        size = sum(codec.record_bytes(c.record) for c in cands)  # before any of it is built
-        if size > limits.ANSWERS_BUDGET_BYTES:
-            raise errors.ResponseTooLarge(
-                f"the {len(cands)} chunks asked for take more than {size / 2**20:.1f} MiB, over "
-                f"the {limits.MAX_RESPONSE_BYTES / 2**20:.0f} MiB "
-                f"{limits.RESPONSE_TOO_LARGE_NOTE}: ask for fewer rows (a smaller top_k)")
+        # (a fetch that could pass a response's size is refused before it is read: ShardIndex)
         return spb.FetchChunksResponse(chunks=[codec.hit_to_pb(c) for c in cands])
 
     @boundary("ApplyWrites")
@@ -224,8 +221,9 @@ class RemoteShard:
 
     def _error(self, err: grpc.aio.AioRpcError) -> errors.SearchError:
         cls = FROM_STATUS.get(err.code(), errors.Unavailable)
-        if (cls is errors.ReplicaOverloaded
-                and limits.RESPONSE_TOO_LARGE_NOTE in (err.details() or "")):
+        details = err.details() or ""
+        if cls is errors.ReplicaOverloaded and (limits.RESPONSE_TOO_LARGE_NOTE in details
+                                                or "larger than max" in details):
             cls = errors.ResponseTooLarge  # the same on every replica: the caller's to hear
         return cls(f"{self.address}: {err.code().name}: {err.details()}")
 

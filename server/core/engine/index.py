@@ -45,7 +45,7 @@ from server.backends.device import Device
 from server.backends.docstore import (PUBLIC_ACL, ChunkRecord, DocStore, FlipEntry,
                                       chunk_fingerprint)
 from server.backends.lexical import LexicalIndex, term_filterable
-from server.core import metrics
+from server.core import limits, metrics
 from server.core.chunking import chunk_id
 from server.core.collection import ReleaseDescriptor, shard_dir_name
 from server.core.engine.state import (COMMITTED, lock_state, lost_writes, prepare,
@@ -53,10 +53,17 @@ from server.core.engine.state import (COMMITTED, lock_state, lost_writes, prepar
 from server.core.rwlock import RWLock
 from server.core.types import (Candidate, FetchRequest, ShardInfo, ShardQuery, ShardResult,
                                ShardWrite, StoredVersions, WriteOutcome, small_key)
-from server.errors import (FailedPrecondition, IndexCorruptError, ModelMismatch, SearchError,
-                           is_failure, is_panic, panic_as_corruption, storage_error)
+from server.errors import (FailedPrecondition, IndexCorruptError, ModelMismatch,
+                           ResponseTooLarge, is_failure, is_panic, panic_as_corruption,
+                           storage_error)
 
 log = logging.getLogger(__name__)
+
+# a fetch of more rows than this could pass a response's size (a chunk may hold a million
+# characters): their size is asked of SQLite before they are read
+FETCH_UNCHECKED_ROWS = limits.ANSWERS_BUDGET_BYTES // (
+    4 * (limits.MAX_DOC_TEXT_CHARS + limits.MAX_TITLE_CHARS)
+    + 4 * limits.MAX_METADATA_ENTRIES * (limits.MAX_METADATA_VALUE_CHARS + 64))
 
 # what an operator can do about a store that lost committed writes
 _RESTORE = ("Restore this shard's state directory whole from a backup (its " + COMMITTED + " with "
@@ -150,7 +157,8 @@ class RecordCache:
         return out
 
     def _size(self, rec: ChunkRecord) -> int:
-        return self.RECORD_BYTES + len(rec.text or "") + len(rec.title)
+        text = rec.text or ""  # Python keeps up to 4 bytes a character of a text not ASCII
+        return self.RECORD_BYTES + (len(text) if text.isascii() else 4 * len(text)) + len(rec.title)
 
 
 def _panics_as_corruption(method):
@@ -248,15 +256,12 @@ class ShardIndex:
             self.store = DocStore(store_path)
             self.recovered = self._recover()
             self._load_counts()
-        except (sqlite3.DatabaseError, SearchError) as exc:  # a truncated or overwritten copy
-            # not damage, when storage refuses (full, locked by another process, read-only):
-            # removing the state would lose its writes
-            clear = storage_error(exc, f"document store {store_path}",
-                                  "nothing is damaged: start again")
+        except sqlite3.DatabaseError as exc:  # a truncated or overwritten state copy
+            # not damage when storage refuses (full, locked by another process, read-only):
+            # removing the state, as the damage's message says, would lose its writes
+            clear = storage_error(exc, f"document store {store_path}", "start again")
             if clear is not None:
                 raise clear from exc
-            if isinstance(exc, SearchError):
-                raise
             raise IndexCorruptError(
                 f"document store {store_path} is unreadable: {exc}. The build's own copy is "
                 f"untouched: restore this shard's state from a backup or a replica, or remove "
@@ -617,6 +622,13 @@ class ShardIndex:
         scopes = set(req.acl_scopes) | {PUBLIC_ACL}
         with self._rw.read():
             rows = list(dict.fromkeys(r for r in req.rows if r < self.nrows))
+            if len(rows) > FETCH_UNCHECKED_ROWS:  # could pass a response's size: ask SQLite first
+                size = self.store.stored_bytes(rows)
+                if size > limits.ANSWERS_BUDGET_BYTES:
+                    raise ResponseTooLarge(
+                        f"shard {self.shard_no}: the {len(rows)} chunks asked for hold "
+                        f"{size / 2**20:.1f} MiB, over the {limits.MAX_RESPONSE_BYTES / 2**20:.0f} "
+                        f"MiB {limits.RESPONSE_TOO_LARGE_NOTE}: ask for fewer (a smaller top_k)")
             records = self.records.read(rows, self.live, self.store)
             found = (records[r] for r in rows if r in records)  # in the order asked
             out = [Candidate(r.chunk_id, 0.0, r, self.shard_no) for r in found
