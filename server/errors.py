@@ -115,16 +115,16 @@ def storage_condition(exc: Optional[BaseException]) -> Optional[str]:
     """'full', 'locked', 'read-only', 'missing', 'unopenable' or 'io' when `exc`, or an error it
     was raised from (`raise ... from`), is storage refusing; a full volume anywhere in that
     chain wins. None for anything else."""
-    found = []
-    seen = 0
-    while exc is not None and seen < 16:
+    first = None
+    for _ in range(16):  # a chain of causes, bounded
+        if exc is None:
+            break
         condition = _condition_of(exc)
         if condition == "full":
             return condition
-        if condition is not None:
-            found.append(condition)
-        exc, seen = exc.__cause__, seen + 1
-    return found[0] if found else None
+        first = first or condition
+        exc = exc.__cause__
+    return first
 
 
 def storage_error(exc: BaseException, where: str, then: str) -> Optional[SearchError]:

@@ -1,5 +1,6 @@
 """Streaming upserts and deletes: idempotent, ordered, atomic per document, durable, crash-safe;
 caches never outlive a write that changes their answer."""
+import contextlib
 import json
 import os
 import random
@@ -497,6 +498,18 @@ def _state_store(data):
     return path
 
 
+@contextlib.contextmanager
+def _serving_20_docs(data, embedder, docs):
+    """A build of 20 Cranfield documents under `data`, served in process; yields a stub."""
+    publish_build(data, "live", docs[:20], embedder)
+    srv = start_core_server(data, embedder)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            yield pb_grpc.SearchServiceStub(ch)
+    finally:
+        srv.stop()
+
+
 def test_a_store_locked_by_another_process_is_unavailable_not_damaged(tmp_path, tiny_embedder,
                                                                       cranfield_docs, monkeypatch):
     """Another process (a backup job, an sqlite3 shell) holding a lock on a shard's store past
@@ -508,28 +521,22 @@ def test_a_store_locked_by_another_process_is_unavailable_not_damaged(tmp_path, 
     from server.errors import Unavailable
 
     monkeypatch.setattr(docstore, "BUSY_TIMEOUT_S", 0.3)  # SQLite's wait, before it gives up
-    publish_build(tmp_path, "live", cranfield_docs[:20], tiny_embedder)
-    srv = start_core_server(tmp_path, tiny_embedder)
-    try:
-        with grpc.insecure_channel(srv.address) as ch:
-            stub = pb_grpc.SearchServiceStub(ch)
-            assert upsert(stub, "kept-1", 1, "zyxkept written before the lock").outcome == APPLIED
-            holder = sqlite3.connect(_state_store(tmp_path), isolation_level=None)
-            holder.execute("BEGIN IMMEDIATE")
-            try:
-                with pytest.raises(grpc.RpcError) as err:
-                    upsert(stub, "locked-1", 1, "zyxlocked written under the lock")
-                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert "lock" in err.value.details() and "send it again" in err.value.details()
-                assert docs_for(stub, "zyxlocked")[0] == []  # changed nothing
-                assert docs_for(stub, "zyxkept")[0] == ["kept-1"]  # and searches answer
-            finally:
-                holder.execute("ROLLBACK")
-                holder.close()
-            assert upsert(stub, "locked-1", 1, "zyxlocked written under the lock").outcome == APPLIED
-            assert docs_for(stub, "zyxlocked")[0] == ["locked-1"]
-    finally:
-        srv.stop()
+    with _serving_20_docs(tmp_path, tiny_embedder, cranfield_docs) as stub:
+        assert upsert(stub, "kept-1", 1, "zyxkept written before the lock").outcome == APPLIED
+        holder = sqlite3.connect(_state_store(tmp_path), isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                upsert(stub, "locked-1", 1, "zyxlocked written under the lock")
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "lock" in err.value.details() and "send it again" in err.value.details()
+            assert docs_for(stub, "zyxlocked")[0] == []  # changed nothing
+            assert docs_for(stub, "zyxkept")[0] == ["kept-1"]  # and searches answer
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert upsert(stub, "locked-1", 1, "zyxlocked written under the lock").outcome == APPLIED
+        assert docs_for(stub, "zyxlocked")[0] == ["locked-1"]
 
     holder = sqlite3.connect(_state_store(tmp_path), isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")  # the start's recovery writes, and waits for it
@@ -558,19 +565,13 @@ def test_a_state_directory_removed_while_serving_fails_writes_by_name_not_intern
     open file for write")."""
     import shutil
 
-    publish_build(tmp_path, "live", cranfield_docs[:20], tiny_embedder)
-    srv = start_core_server(tmp_path, tiny_embedder)
-    try:
-        with grpc.insecure_channel(srv.address) as ch:
-            stub = pb_grpc.SearchServiceStub(ch)
-            assert upsert(stub, "before-1", 1, "zyxbefore a write").outcome == APPLIED
-            shutil.rmtree(tmp_path / ".state")
-            with pytest.raises(grpc.RpcError) as err:
-                upsert(stub, "after-1", 1, "zyxafter a write with no state")
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
-            assert ".state" in err.value.details() and "missing" in err.value.details()
-    finally:
-        srv.stop()
+    with _serving_20_docs(tmp_path, tiny_embedder, cranfield_docs) as stub:
+        assert upsert(stub, "before-1", 1, "zyxbefore a write").outcome == APPLIED
+        shutil.rmtree(tmp_path / ".state")
+        with pytest.raises(grpc.RpcError) as err:
+            upsert(stub, "after-1", 1, "zyxafter a write with no state")
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        assert ".state" in err.value.details() and "missing" in err.value.details()
 
 
 def test_a_second_engine_on_the_same_state_is_refused_naming_it(live_build, live):

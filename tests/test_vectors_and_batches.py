@@ -3,6 +3,7 @@ precomputed embeddings answers exactly what faiss answers on those vectors; writ
 chunk vectors; vectors of another model, dimension or with NaN are refused and change nothing;
 SearchBatch answers every query in its slot, invalid ones alone failing."""
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -759,14 +760,28 @@ def test_a_batch_whose_answer_is_over_the_message_limit_is_split_not_failed(vec_
         [[h.chunk_id for h in r.response.hits] for r in whole]
 
 
+@contextlib.contextmanager
+def peer_search_server(servicer, threads):
+    """A real gRPC server running `servicer` (a stand-in for a search server) on a free port;
+    yields its address."""
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(threads))
+    pb_grpc.add_SearchServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
 def test_the_client_sends_again_what_did_not_fit_in_calls_it_can_answer_in_order():
     """A server whose responses fit one answer each (answers near the size limit): the client
     sends the refused queries again, as many per call as the last call fitted, until each is
     answered - 1,024 queries, 1,024 calls, in order, with no recursion (review: one level of
     recursion per call raised RecursionError near 1,000). With per_query_errors, a call that
     fails midway marks only the queries it carried; answers already in hand stay."""
-    from concurrent import futures
-
     from server.client import SearchClient, request
     from server.core.limits import RESPONSE_FULL_NOTE
 
@@ -787,13 +802,9 @@ def test_the_client_sends_again_what_did_not_fit_in_calls_it_can_answer_in_order
                 for _ in rest])
 
     servicer = OneAtATime()
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    pb_grpc.add_SearchServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
+    with peer_search_server(servicer, 2) as address:
         reqs = [request(collection=f"c{i}", vector=[1.0], model_id=MODEL) for i in range(1024)]
-        with SearchClient(f"127.0.0.1:{port}") as client:
+        with SearchClient(address) as client:
             answers = list(client.search_batch(reqs))
             assert [a.response.build_id for a in answers] == [f"c{i}" for i in range(1024)]
             assert len(calls) == 1024 and all(len(c) == 1 for c in calls[1:])
@@ -803,8 +814,6 @@ def test_the_client_sends_again_what_did_not_fit_in_calls_it_can_answer_in_order
             assert [a.ok for a in answers] == [True, True, False, True, True]
             assert answers[2].call_failed and answers[2].code == grpc.StatusCode.INTERNAL
             assert [a.response.build_id for a in answers if a.ok] == ["c0", "c1", "c3", "c4"]
-    finally:
-        server.stop(None)
 
 
 def test_a_batch_refused_for_load_is_retried_whole_with_backoff_not_split():
@@ -817,7 +826,6 @@ def test_a_batch_refused_for_load_is_retried_whole_with_backoff_not_split():
     256 KiB of a call and sent a larger one once (review). The peer is a real gRPC server that
     refuses SearchBatch as an overloaded search server does, `refusals` times, then answers."""
     import threading
-    from concurrent import futures
 
     from server.client import SearchClient, request
 
@@ -843,15 +851,11 @@ def test_a_batch_refused_for_load_is_retried_whole_with_backoff_not_split():
                     at_once[0] -= 1
 
     servicer = Overloaded()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    pb_grpc.add_SearchServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
+    with peer_search_server(servicer, 4) as address:
         reqs = [request(collection=f"c{i}", vector=[1.0] * 384, model_id=MODEL)
                 for i in range(1024)]
         assert pb.SearchBatchRequest(queries=reqs).ByteSize() > 1_500_000
-        with SearchClient(f"127.0.0.1:{port}") as client:
+        with SearchClient(address) as client:
             servicer.refusals = 10**6  # refused for good: the caller hears it after 5 attempts
             with pytest.raises(grpc.RpcError) as err:
                 list(client.search_batch(reqs, timeout=30))
@@ -871,8 +875,6 @@ def test_a_batch_refused_for_load_is_retried_whole_with_backoff_not_split():
             assert 1 <= len(calls) <= 2
             with pytest.raises(ValueError, match="positive"):
                 client.search("x", collection="vec", timeout=0)
-    finally:
-        server.stop(None)
 
 
 def test_a_file_of_queries_keeps_one_line_per_query_when_a_call_fails(tmp_path):

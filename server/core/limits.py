@@ -20,6 +20,7 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # gRPC send limit of every listener, the 
 ANSWERS_BUDGET_BYTES = MAX_RESPONSE_BYTES - 1024 * 1024  # room left for refused slots' messages
 RESPONSE_FULL_NOTE = "the response size limit"  # in a SearchBatch slot's message: send it again
 RESPONSE_TOO_LARGE_NOTE = "a response may carry"  # in the message of an answer too large alone
+OVER_THE_RESPONSE_LIMIT = f"over the {MAX_RESPONSE_BYTES // 2**20} MiB {RESPONSE_TOO_LARGE_NOTE}"
 DEFAULT_RERANK_CAP = 200              # server cap on rerank_depth (configurable)
 MAX_DOC_ID_CHARS = 512
 MAX_VERSION = 2 ** 63 - 1             # document versions: the proto field is uint64, SQLite's int64

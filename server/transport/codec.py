@@ -89,16 +89,22 @@ def _retriever(pair, kind) -> Optional[pb.RetrieverScore]:
 HIT_BYTES, ANSWER_BYTES, TRACE_ITEM_BYTES = 128, 1024, 96
 
 
+def _fixed_bytes(rec: ChunkRecord) -> int:
+    """What a hit with this record takes without its text, title and metadata (an upper bound):
+    its numbers, ids, tenant and ACL scopes, four bytes a character."""
+    return HIT_BYTES + 4 * (len(rec.doc_id) + len(rec.tenant) + sum(map(len, rec.acl))
+                            + 2 * len(rec.acl))
+
+
 def record_bytes(rec: ChunkRecord) -> int:
     """What a hit with this record may take in a message (an upper bound): its text's UTF-8
-    bytes (exact and O(1) for ASCII), short strings four bytes a character, its numbers; counted
+    bytes (exact and O(1) for ASCII), other strings four bytes a character, its numbers; counted
     once per record (`nbytes`)."""
     n = rec.nbytes
     if n < 0:
         text = rec.text or ""
-        n = (HIT_BYTES + (len(text) if text.isascii() else len(text.encode("utf-8", "replace")))
-             + 4 * (len(rec.title) + len(rec.doc_id) + len(rec.tenant) + sum(map(len, rec.acl))
-                    + len(rec.acl) * 2))
+        n = (_fixed_bytes(rec) + 4 * len(rec.title)
+             + (len(text) if text.isascii() else len(text.encode("utf-8", "replace"))))
         if rec.metadata:
             n += 4 * sum(len(str(k)) + len(str(v)) + 2 for k, v in rec.metadata.items())
         rec.nbytes = n
@@ -131,13 +137,12 @@ def shard_texts_budget(results: list[ShardResult], room: int) -> Optional[TextBu
     vectors = sum(4 * len(c.vector) + 8 for c in hits if c.vector is not None)
     if vectors + sum(record_bytes(c.record) for c in hits) <= room:
         return None
-    fixed = vectors + sum(HIT_BYTES + 4 * (len(r.doc_id) + len(r.tenant) + sum(map(len, r.acl))
-                                           + 2 * len(r.acl)) for r in (c.record for c in hits))
+    fixed = vectors + sum(_fixed_bytes(c.record) for c in hits)
     if fixed > room:
         raise ResponseTooLarge(
             f"the {len(hits)} hits of this message take more than {fixed / 2**20:.1f} MiB "
-            f"without their texts, over the {limits.MAX_RESPONSE_BYTES / 2**20:.0f} MiB "
-            f"{limits.RESPONSE_TOO_LARGE_NOTE}: send fewer queries per message, or shallower")
+            f"without their texts, {limits.OVER_THE_RESPONSE_LIMIT}: send fewer queries per "
+            f"message, or shallower")
     return TextBudget(room - fixed)
 
 

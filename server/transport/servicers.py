@@ -77,9 +77,8 @@ class SearchServicer(pb_grpc.SearchServiceServicer):
 
 
 def _too_large(spent: int) -> str:
-    return (f"this answer takes more than {spent / 2**20:.1f} MiB, over the "
-            f"{limits.MAX_RESPONSE_BYTES / 2**20:.0f} MiB {limits.RESPONSE_TOO_LARGE_NOTE}: ask "
-            f"for fewer hits")
+    return (f"this answer takes more than {spent / 2**20:.1f} MiB, "
+            f"{limits.OVER_THE_RESPONSE_LIMIT}: ask for fewer hits")
 
 
 class _ResponseFull(Exception):

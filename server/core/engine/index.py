@@ -627,8 +627,8 @@ class ShardIndex:
                 if size > limits.ANSWERS_BUDGET_BYTES:
                     raise ResponseTooLarge(
                         f"shard {self.shard_no}: the {len(rows)} chunks asked for hold "
-                        f"{size / 2**20:.1f} MiB, over the {limits.MAX_RESPONSE_BYTES / 2**20:.0f} "
-                        f"MiB {limits.RESPONSE_TOO_LARGE_NOTE}: ask for fewer (a smaller top_k)")
+                        f"{size / 2**20:.1f} MiB, {limits.OVER_THE_RESPONSE_LIMIT}: ask for "
+                        f"fewer (a smaller top_k)")
             records = self.records.read(rows, self.live, self.store)
             found = (records[r] for r in rows if r in records)  # in the order asked
             out = [Candidate(r.chunk_id, 0.0, r, self.shard_no) for r in found
